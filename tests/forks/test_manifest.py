@@ -1,0 +1,85 @@
+"""The real forks.toml, .gitmodules and gitlinks agree; malformed manifests fail by field name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.forks import manifest as manifest_mod
+from tools.forks import ops
+from tools.forks.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The pins of the foundation issue; changing one is a deliberate act (rebase) and shows up here.
+PINS = {
+    "verl": ("third_party/verl", "v0.4.0", "0758489422e8d41a89e6c36d4c477714520f0dcc"),
+    "vllm": ("third_party/vllm", "v0.9.1", "b6553be1bc75f046b00046a4ad7576364d03c835"),
+    "vllm-ascend": ("third_party/vllm-ascend", "v0.9.1", "0740d10211fcdcaa00d29e8659d7de892f5ed4d8"),
+    "megatron": ("third_party/Megatron-LM", "core_v0.12.1", "a845aa7e12b3a117e24c2352b9e3e60bad2e3a17"),
+    "mindspeed": ("third_party/MindSpeed", "master@2025-08-28", "f6688c61bcfe45243ee5eb34c6f013b1e06eca81"),
+    "mindspeed-llm": ("third_party/MindSpeed-LLM", "v2.1.0", "7f128db1d7f31cc98106c77920ae0d2719417874"),
+}
+
+
+def test_real_manifest_has_the_six_pins():
+    m = manifest_mod.load(ROOT)
+    assert {name: (f.path, f.ref, f.commit) for name, f in m.forks.items()} == PINS
+    assert {f.name for f in m.forks.values() if f.pypi} == {"verl", "vllm", "vllm-ascend", "megatron"}
+    assert {f.name for f in m.select(profile="cpu")} == {"verl", "vllm", "megatron"}
+    assert m.stack["npu"]["torch_npu"] == "2.5.1.post1" and m.stack["cpu"]["torch"] == "2.13.0"
+
+
+def test_real_gitmodules_gitlinks_and_manifest_agree():
+    m = manifest_mod.load(ROOT)
+    assert ops.gitlink_problems(m) == []
+    status = subprocess.run(["git", "submodule", "status"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout
+    listed = {line.split()[1]: line.split()[0].lstrip("-+U ") for line in status.splitlines()}
+    assert listed == {path: commit for path, _, commit in PINS.values()}
+
+
+def test_every_real_series_exists_and_lints_clean():
+    from tools.forks import series as series_mod
+
+    m = manifest_mod.load(ROOT)
+    for fork in m.forks.values():
+        s = series_mod.Series(ROOT / fork.patches)
+        assert s.series_file.is_file(), fork.name
+        assert series_mod.lint(s, ROOT) == [], fork.name
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace('commit = "', 'commit = "zz', 1), "forks.verl.commit"),
+    (lambda t: t.replace('profiles = ["npu", "cuda", "cpu"]', 'profiles = ["tpu"]', 1), "forks.verl.profiles"),
+    (lambda t: t.replace('url = "https://github.com/volcengine/verl.git"\n', "", 1), "forks.verl.url"),
+    (lambda t: t.replace('requirement = "verl==0.4.0", ', "", 1), "forks.verl.pypi"),
+    (lambda t: t + "[[[", "not valid TOML"),
+])
+def test_malformed_manifest_names_the_field(tmp_path, edit, message):
+    (tmp_path / "third_party").mkdir()
+    text = (ROOT / "third_party/forks.toml").read_text()
+    (tmp_path / "third_party/forks.toml").write_text(edit(text))
+    with pytest.raises(manifest_mod.ManifestError, match=message.replace(".", r"\.")):
+        manifest_mod.load(tmp_path)
+
+
+def test_set_keys_keeps_comments_and_other_tables(tmp_path):
+    path = tmp_path / "forks.toml"
+    path.write_text((ROOT / "third_party/forks.toml").read_text())
+    before = path.read_text()
+    manifest_mod.set_keys(path, "megatron", {"ref": "core_v0.13.0", "published_url": "file:///x"})
+    after = path.read_text()
+    assert 'ref = "core_v0.13.0"' in after and 'published_url = "file:///x"' in after
+    changed = [line for line in after.splitlines() if line not in before.splitlines()]
+    assert changed == ['ref = "core_v0.13.0"', 'published_url = "file:///x"']
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_has_help(command):
+    proc = subprocess.run([sys.executable, "-m", "tools.forks", command, "--help"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: python -m tools.forks" in proc.stdout

@@ -1,0 +1,118 @@
+"""rebase (drop what landed, stop on conflict, continue, abort, report) and publish."""
+
+from __future__ import annotations
+
+import tomllib
+
+from tests.forks.conftest import git
+
+
+def _series(p):
+    return [n for n in (p.patches / "series").read_text().splitlines() if n.endswith(".patch")]
+
+
+def _gitlink(p):
+    return git(p.root, "ls-files", "--stage", "third_party/demo").split()[1]
+
+
+def test_rebase_dry_run_lists_drops_and_changes_nothing(with_series, capsys):
+    p = with_series
+    tip = git(p.fork, "rev-parse", "recipe/demo")
+    assert p.cli("rebase", "demo", "--onto", "v2", "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert "drop fix-typo-in-helper.patch (already upstream" in out
+    assert "replay raise-the-default-batch.patch" in out
+    assert git(p.fork, "rev-parse", "recipe/demo") == tip
+
+
+def test_rebase_stops_on_conflict_and_abort_restores(with_series, capsys):
+    p = with_series
+    before = {f.name: f.read_bytes() for f in p.patches.iterdir()}
+    tip = git(p.fork, "rev-parse", "recipe/demo")
+    assert p.cli("rebase", "demo", "--onto", "v2") == 3
+    err = capsys.readouterr().err
+    assert "raise-the-default-batch.patch conflicts with v2 in config.py" in err
+    assert "--continue" in err and "--abort" in err
+    assert p.cli("rebase", "demo", "--abort") == 0
+    assert git(p.fork, "rev-parse", "recipe/demo") == tip
+    assert git(p.fork, "symbolic-ref", "--short", "HEAD") == "recipe/demo"
+    assert {f.name: f.read_bytes() for f in p.patches.iterdir()} == before
+    assert p.cli("status", "--check", "demo") == 0
+
+
+def test_rebase_continue_finishes_and_moves_everything(with_series, capsys):
+    p = with_series
+    assert p.cli("rebase", "demo", "--onto", "v2") == 3
+    (p.fork / "config.py").write_text("batch = 64\nlr = 0.1\n")  # the resolution
+    git(p.fork, "add", "config.py")
+    assert p.cli("rebase", "demo", "--continue") == 0
+    out = capsys.readouterr().out
+    assert "kept 2, dropped 1, changed 1" in out
+
+    assert _series(p) == ["add-a-feature-flag.patch", "raise-the-default-batch.patch"]
+    assert not (p.patches / "fix-typo-in-helper.patch").exists()
+    assert "+batch = 64" in (p.patches / "raise-the-default-batch.patch").read_text()
+    manifest = tomllib.loads((p.root / "third_party/forks.toml").read_text())["forks"]["demo"]
+    assert (manifest["ref"], manifest["commit"]) == ("v2", p.upstream.v2)
+    assert _gitlink(p) == p.upstream.v2
+
+    report = (p.patches / "REBASE-v1-v2.md").read_text()
+    assert "fix-typo-in-helper.patch: already upstream as" in report
+    assert "raise-the-default-batch.patch (changed)" in report
+    assert "add-a-feature-flag.patch\n" in report
+    assert "range-diff" in report
+
+    assert p.cli("check", "demo") == 0  # the new series applies to the new pin
+    assert p.cli("status", "--check", "demo") == 0  # pin, gitlink, branch and series agree
+
+
+def test_rebase_refuses_unexported_work(with_series, capsys):
+    from tests.forks.conftest import commit
+
+    commit(with_series.fork, {"x.py": "1\n"}, "Unexported", "Work in progress.")
+    assert with_series.cli("rebase", "demo", "--onto", "v2") == 2
+    assert "not in the series" in capsys.readouterr().err
+
+
+def test_rebase_continue_with_an_empty_resolution_drops_the_patch(with_series, capsys):
+    p = with_series
+    assert p.cli("rebase", "demo", "--onto", "v2") == 3
+    git(p.fork, "checkout", "HEAD", "--", "config.py")  # keep upstream's line: nothing left of the patch
+    assert p.cli("rebase", "demo", "--continue") == 0
+    assert "kept 1, dropped 2" in capsys.readouterr().out
+    report = (p.patches / "REBASE-v1-v2.md").read_text()
+    assert "raise-the-default-batch.patch: emptied" in report
+
+
+def test_publish_pushes_and_switches_the_submodule(with_series, tmp_path, capsys):
+    p = with_series
+    remote = tmp_path / "fork-remote.git"
+    git(tmp_path, "init", "-q", "--bare", str(remote))
+    tip = git(p.fork, "rev-parse", "recipe/demo")
+
+    assert p.cli("publish", "demo", "--remote", str(remote), "--dry-run") == 0
+    assert "would: " in capsys.readouterr().out
+    assert git(remote, "for-each-ref") == ""
+
+    assert p.cli("publish", "demo", "--remote", str(remote)) == 0
+    assert git(remote, "rev-parse", "refs/heads/recipe/demo") == tip
+    assert git(p.root, "config", "-f", ".gitmodules", "submodule.third_party/demo.url") == str(remote)
+    assert git(p.root, "config", "-f", ".gitmodules", "submodule.third_party/demo.branch") == "recipe/demo"
+    assert _gitlink(p) == tip
+    manifest = tomllib.loads((p.root / "third_party/forks.toml").read_text())["forks"]["demo"]
+    assert manifest["published_url"] == str(remote) and manifest["published_commit"] == tip
+    assert manifest["commit"] == p.upstream.v1, "the upstream pin stays the series base"
+    from tools.forks import manifest as manifest_mod, ops
+
+    assert ops.gitlink_problems(manifest_mod.load(p.root)) == []
+
+
+def test_publish_refuses_unexported_commits(with_series, tmp_path, capsys):
+    from tests.forks.conftest import commit
+
+    remote = tmp_path / "r.git"
+    git(tmp_path, "init", "-q", "--bare", str(remote))
+    commit(with_series.fork, {"x.py": "1\n"}, "Unexported", "Work in progress.")
+    assert with_series.cli("publish", "demo", "--remote", str(remote)) == 2
+    assert "not in the series" in capsys.readouterr().err
+    assert git(remote, "for-each-ref") == ""

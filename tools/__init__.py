@@ -1,0 +1,1 @@
+"""Project tools, one subpackage per job: `python -m tools.<job> --help`."""

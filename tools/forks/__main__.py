@@ -1,0 +1,5 @@
+import sys
+
+from tools.forks.cli import main
+
+sys.exit(main())

@@ -1,0 +1,282 @@
+"""`python -m tools.forks`: the command line over tools.forks.ops (argument parsing and printing only)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from tools.forks import git, ops
+from tools.forks import rebase as rebase_mod
+from tools.forks.manifest import PROFILES, ManifestError, find_root, load
+
+EXIT_OK, EXIT_CHECK, EXIT_ERROR, EXIT_STOPPED = 0, 1, 2, 3
+
+DESCRIPTION = """\
+Manage the pinned upstream forks under third_party/ and their patch series.
+
+Each fork is a submodule pinned to an upstream commit (third_party/forks.toml). Our changes live
+as one format-patch file per commit in third_party/patches/<fork>/, in the order of its `series`
+file, and as commits on the branch recipe/<fork> inside the submodule. Typical use:
+
+  python -m tools.forks sync            # upstream trees at the pins (git, else PyPI)
+  python -m tools.forks apply           # series -> branch recipe/<fork>
+  (edit and commit on recipe/<fork> inside third_party/<fork>)
+  python -m tools.forks export verl     # branch -> series; review `git diff third_party/patches`
+  python -m tools.forks rebase verl --onto v0.5.0
+
+Exit codes: 0 ok, 1 a check found problems, 2 an operation failed, 3 a rebase stopped on a conflict.
+"""
+
+
+def _fork_args(p: argparse.ArgumentParser, nargs: str = "*") -> None:
+    p.add_argument("forks", nargs=nargs, metavar="FORK", help="fork names from forks.toml (default: all)")
+
+
+def parser() -> argparse.ArgumentParser:
+    # --root and --profile work before or after the command; SUPPRESS keeps a later default
+    # from overwriting an earlier value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", type=Path, default=argparse.SUPPRESS,
+                        help="repository root (default: found above the current directory)")
+    common.add_argument("--profile", choices=PROFILES, default=argparse.SUPPRESS,
+                        help="only the forks this device profile installs")
+    top = argparse.ArgumentParser(prog="python -m tools.forks", description=DESCRIPTION, parents=[common],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help: str, epilog: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help + ("\n\n" + epilog if epilog else ""),
+                              parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = add("status", "One table: pin, source, branch, series and work tree of each fork.",
+            "--check exits 1 unless every selected fork is present, applied, current and clean, and\n"
+            "the gitlinks, .gitmodules and forks.toml agree.")
+    _fork_args(p)
+    p.add_argument("--check", action="store_true", help="exit 1 when anything is off")
+
+    p = add("sync", "Bring each fork's upstream tree at its pin.",
+            "git: `git submodule update` at the gitlink; url.<mirror>.insteadOf is honoured.\n"
+            "pypi: download the pinned distribution (sha256 checked) and lay it out as a git\n"
+            "repository whose one commit is tagged with the upstream ref and marked PyPI-derived.\n"
+            "auto: git, else pypi, else an error naming what was tried. A present tree is left\n"
+            "alone unless --force (which still refuses to drop uncommitted or unexported work).")
+    _fork_args(p)
+    p.add_argument("--source", choices=("auto", "git", "pypi"), default="auto")
+    p.add_argument("--force", action="store_true", help="replace a tree that is already present")
+    p.add_argument("--index-url", action="append", default=[], metavar="URL",
+                   help="simple index to search (repeatable; default $PIP_INDEX_URL or PyPI)")
+    p.add_argument("--find-links", action="append", default=[], type=Path, metavar="DIR",
+                   help="folder holding distribution files, searched before any index (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="say what would be synced and from where")
+
+    p = add("apply", "Replay each series onto its pin as branch recipe/<fork> (git am -3).",
+            "A no-op when the branch already equals the series. Refuses uncommitted work and\n"
+            "commits that are not in the series, and says how to export or discard them.")
+    _fork_args(p)
+    p.add_argument("--dry-run", action="store_true", help="say what would be replayed")
+
+    p = add("export", "Write branch recipe/<fork> back as its patch series (deterministic).",
+            "--check writes nothing and exits 1 when the series on disk differs from the branch.")
+    _fork_args(p)
+    p.add_argument("--check", action="store_true", help="compare only; exit 1 on any difference")
+
+    p = add("check", "Lint every series and, where the source is present, replay it onto the pin.",
+            "Lint: listed files exist, every patch is listed, subjects are unique, each patch has a\n"
+            "body and the trailers `Reason:` and `Upstream-Status:` (Pending | Submitted <link> |\n"
+            "Inappropriate <why>).")
+    _fork_args(p)
+
+    p = add("rebase", "Replay a fork's series onto a new upstream tag or commit.",
+            "Patches already upstream (same git patch-id, or emptied by the replay) are dropped and\n"
+            "reported. On a conflict it stops, naming the patch and files: resolve, `git add`, then\n"
+            "--continue, or --abort. On success it re-exports the series, moves the pin in\n"
+            "forks.toml and the gitlink, and writes third_party/patches/<fork>/REBASE-<from>-<to>.md.")
+    _fork_args(p, nargs=1)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--onto", metavar="REF", help="new upstream tag or commit")
+    mode.add_argument("--continue", dest="resume", action="store_true", help="go on after resolving")
+    mode.add_argument("--abort", action="store_true", help="drop the replay, leave everything as before")
+    p.add_argument("--dry-run", action="store_true", help="with --onto: list which patches would drop")
+
+    p = add("publish", "Push recipe/<fork> to a fork remote and point the submodule at it.",
+            "Switches the .gitmodules URL and the gitlink to the published branch, so that clones get\n"
+            "our commits from the fork; the series stays the review copy (export --check guards it).")
+    _fork_args(p, nargs=1)
+    p.add_argument("--remote", required=True, metavar="URL", help="the fork's git remote")
+    p.add_argument("--force", action="store_true", help="overwrite the remote branch (after a rebase)")
+    p.add_argument("--dry-run", action="store_true", help="print the steps only")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        root = (getattr(args, "root", None) or find_root(Path.cwd())).resolve()
+        manifest = load(root)
+        forks = manifest.select(args.forks, getattr(args, "profile", None))
+        return COMMANDS[args.command](args, manifest, forks)
+    except rebase_mod.RebaseStopped as exc:
+        print(f"stopped: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
+    except (ops.ForkError, ManifestError, git.GitError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _each(forks, action) -> int:
+    """Run `action(fork)` for every fork, report per fork, keep going after a failure."""
+    failed = 0
+    for fork in forks:
+        try:
+            print(f"{fork.name}: {action(fork)}")
+        except (ops.ForkError, git.GitError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            failed += 1
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def cmd_status(args, manifest, forks) -> int:
+    rows, off = [("fork", "pin", "source", "branch", "series", "work tree")], 0
+    for fork in forks:
+        row, ok = _status_row(manifest.root, fork)
+        rows.append(row)
+        off += not ok
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    problems = ops.gitlink_problems(manifest)
+    for problem in problems:
+        print(f"superproject: {problem}")
+    return EXIT_CHECK if args.check and (off or problems) else EXIT_OK
+
+
+def _status_row(root: Path, fork) -> tuple[tuple[str, ...], bool]:
+    st = ops.state(root, fork)
+    pin = f"{fork.ref} @ {fork.commit[:12]}"
+    n = len(st.series.names())
+    if not st.present:
+        hint = "run sync" if st.source == "absent" else "pin missing, run sync --force"
+        return (fork.name, pin, st.source, "-", f"{n} patches", hint), False
+    source = f"pypi ({fork.pypi.file})" if st.source == "pypi" and fork.pypi else st.source
+    branch = f"{fork.branch} @ {st.tip[:12]}" if st.tip else "not applied"
+    stray = ops.stray_commits(st)
+    if st.tip is None:
+        series = f"{n} patches, run apply"
+    elif stray:
+        series = f"{n} patches +{len(stray)} commits not exported"
+    elif ops.is_current(st):
+        series = f"{n} patches, applied"
+    else:
+        series = f"{n} patches, stale: run apply"
+    dirty = git.dirty_paths(st.path)
+    on_branch = git.head_branch(st.path) == fork.branch
+    tree = f"{len(dirty)} uncommitted" if dirty else ("clean" if on_branch else "clean, HEAD off branch")
+    ok = ops.is_current(st) and not stray and not dirty and on_branch
+    return (fork.name, pin, source, branch, series, tree), ok
+
+
+def cmd_sync(args, manifest, forks) -> int:
+    indexes = args.index_url or [os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"]
+    failed = 0
+    for fork in forks:
+        if args.source == "pypi" and fork.pypi is None:
+            print(f"{fork.name}: git-only (no PyPI source); skipped")
+            continue
+        if args.dry_run:
+            print(f"{fork.name}: would sync {fork.path} at {fork.ref} ({fork.commit[:12]}) from"
+                  f" {_origins(fork, args.source)}")
+            continue
+        try:
+            print(f"{fork.name}: {ops.sync(manifest.root, fork, args.source, args.force, indexes, args.find_links)}")
+        except (ops.ForkError, git.GitError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            failed += 1
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def _origins(fork, source: str) -> str:
+    git_origin = fork.url
+    pypi_origin = fork.pypi.requirement if fork.pypi else None
+    if source == "git":
+        return git_origin
+    if source == "pypi":
+        return str(pypi_origin)
+    return f"{git_origin}, else {pypi_origin}" if pypi_origin else f"{git_origin} (git-only)"
+
+
+def cmd_apply(args, manifest, forks) -> int:
+    return _each(forks, lambda fork: ops.apply(manifest.root, fork, dry_run=args.dry_run))
+
+
+def cmd_export(args, manifest, forks) -> int:
+    differing, result = 0, EXIT_OK
+    for fork in forks:
+        if not args.check:
+            result = max(result, _each([fork], lambda f: _describe(ops.export(manifest.root, f))))
+            continue
+        if ops.state(manifest.root, fork).tip is None:
+            print(f"{fork.name}: skipped, no {fork.branch} branch here (source absent or not applied)")
+            continue
+        try:
+            changed = ops.export(manifest.root, fork, check=True)
+        except (ops.ForkError, git.GitError) as exc:
+            print(f"differs: {exc}", file=sys.stderr)
+            differing += 1
+            continue
+        if changed:
+            print(f"{fork.name}: series on disk differs from {fork.branch}: {', '.join(changed)};"
+                  f" run `python -m tools.forks export {fork.name}`")
+            differing += 1
+        else:
+            print(f"{fork.name}: series matches {fork.branch}")
+    return EXIT_CHECK if differing else result
+
+
+def _describe(changed: list[str]) -> str:
+    return f"wrote {', '.join(changed)}" if changed else "unchanged"
+
+
+def cmd_check(args, manifest, forks) -> int:
+    bad = 0
+    for fork in forks:
+        st = ops.state(manifest.root, fork)
+        problems = ops.check(manifest.root, fork)
+        where = "lint + applies to the pin" if st.base else "lint only (source absent)"
+        for problem in problems:
+            print(f"{fork.name}: {problem}")
+        if not problems:
+            print(f"{fork.name}: ok, {len(st.series.names())} patches ({where})")
+        bad += bool(problems)
+    return EXIT_CHECK if bad else EXIT_OK
+
+
+def cmd_rebase(args, manifest, forks) -> int:
+    fork, root = forks[0], manifest.root
+    if args.abort:
+        print(rebase_mod.abort(root, fork))
+    elif args.resume:
+        print(rebase_mod.resume(root, fork))
+    elif args.dry_run:
+        print("\n".join(rebase_mod.plan(root, fork, args.onto)))
+    else:
+        print(rebase_mod.start(root, fork, args.onto))
+    return EXIT_OK
+
+
+def cmd_publish(args, manifest, forks) -> int:
+    steps = ops.publish(manifest.root, forks[0], args.remote, force=args.force, dry_run=args.dry_run)
+    print("\n".join(("would: " if args.dry_run else "done: ") + s for s in steps))
+    return EXIT_OK
+
+
+COMMANDS = {
+    "status": cmd_status,
+    "sync": cmd_sync,
+    "apply": cmd_apply,
+    "export": cmd_export,
+    "check": cmd_check,
+    "rebase": cmd_rebase,
+    "publish": cmd_publish,
+}

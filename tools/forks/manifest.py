@@ -1,0 +1,180 @@
+"""`third_party/forks.toml`: the single source of truth for the pinned forks and machine stacks.
+
+Read with the standard library (the fork tool runs before anything is installed). The few writes
+(`rebase` moves a pin, `publish` records a fork remote) edit single keys in place so that comments
+and layout of the hand-written file survive.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MANIFEST = Path("third_party/forks.toml")
+PROFILES = ("npu", "cuda", "cpu")
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+class ManifestError(ValueError):
+    """forks.toml is malformed; the message names the fork, the field and the fix."""
+
+
+@dataclass(frozen=True)
+class PyPISource:
+    """A distribution on a package index whose files equal the fork's tree at the pin."""
+
+    requirement: str  # "name==version", what users would pip install
+    file: str  # exact file name on the index
+    sha256: str  # of that file; verified after download
+    note: str = ""  # what the distribution lacks compared with git
+
+    @property
+    def name(self) -> str:
+        return self.requirement.split("==")[0]
+
+    @property
+    def version(self) -> str:
+        return self.requirement.split("==")[1]
+
+
+@dataclass(frozen=True)
+class Fork:
+    name: str
+    path: str
+    url: str
+    ref: str
+    commit: str
+    patches: str
+    distribution: str
+    profiles: tuple[str, ...]
+    pypi: PyPISource | None = None
+    published_url: str | None = None
+    published_commit: str | None = None
+
+    @property
+    def branch(self) -> str:
+        """The branch inside the fork that carries the series as commits."""
+        return f"recipe/{self.name}"
+
+    @property
+    def gitlink(self) -> str:
+        """The commit the superproject's gitlink must point at."""
+        return self.published_commit or self.commit
+
+    @property
+    def submodule_url(self) -> str:
+        return self.published_url or self.url
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: Path
+    forks: dict[str, Fork]
+    stack: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return self.root / MANIFEST
+
+    def select(self, names: list[str] | None = None, profile: str | None = None) -> list[Fork]:
+        """Forks by name (all when empty), optionally only those a device profile needs."""
+        unknown = [n for n in names or [] if n not in self.forks]
+        if unknown:
+            raise ManifestError(
+                f"unknown fork {', '.join(unknown)}; forks.toml has: {', '.join(self.forks)}"
+            )
+        chosen = [self.forks[n] for n in names] if names else list(self.forks.values())
+        if profile:
+            if profile not in PROFILES:
+                raise ManifestError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}")
+            chosen = [f for f in chosen if profile in f.profiles]
+        return chosen
+
+
+def find_root(start: Path) -> Path:
+    """The nearest directory at or above `start` that holds third_party/forks.toml."""
+    for candidate in [start, *start.parents]:
+        if (candidate / MANIFEST).is_file():
+            return candidate
+    raise ManifestError(
+        f"no {MANIFEST} at or above {start}; run from the repository or pass --root"
+    )
+
+
+def load(root: Path) -> Manifest:
+    path = root / MANIFEST
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(f"{path} not found; pass --root to the repository root") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{path}: not valid TOML: {exc}") from None
+    forks = {name: _fork(name, table) for name, table in data.get("forks", {}).items()}
+    if not forks:
+        raise ManifestError(f"{path}: no [forks.<name>] tables")
+    stack = {p: {k: str(v) for k, v in t.items()} for p, t in data.get("stack", {}).items()}
+    return Manifest(root=root, forks=forks, stack=stack)
+
+
+def _fork(name: str, t: dict) -> Fork:
+    def need(key: str) -> str:
+        if key not in t or not isinstance(t[key], str) or not t[key]:
+            raise ManifestError(f"forks.{name}.{key}: missing or not a string; add `{key} = \"...\"`")
+        return t[key]
+
+    commit = need("commit")
+    if not _SHA.match(commit):
+        raise ManifestError(f"forks.{name}.commit: {commit!r} is not a 40-hex commit id")
+    profiles = tuple(t.get("profiles", ()))
+    bad = [p for p in profiles if p not in PROFILES]
+    if bad or not profiles:
+        raise ManifestError(
+            f"forks.{name}.profiles: {list(profiles)} must be a non-empty subset of {list(PROFILES)}"
+        )
+    pypi = None
+    if "pypi" in t:
+        p = t["pypi"]
+        missing = [k for k in ("requirement", "file", "sha256") if k not in p]
+        if missing or "==" not in p.get("requirement", ""):
+            raise ManifestError(
+                f"forks.{name}.pypi: needs requirement = \"name==version\", file and sha256"
+                f" (missing: {', '.join(missing) or 'an exact == pin'})"
+            )
+        pypi = PyPISource(p["requirement"], p["file"], p["sha256"], p.get("note", ""))
+    return Fork(
+        name=name,
+        path=need("path"),
+        url=need("url"),
+        ref=need("ref"),
+        commit=commit,
+        patches=need("patches"),
+        distribution=need("distribution"),
+        profiles=profiles,
+        pypi=pypi,
+        published_url=t.get("published_url"),
+        published_commit=t.get("published_commit"),
+    )
+
+
+def set_keys(path: Path, fork: str, values: dict[str, str]) -> None:
+    """Set string keys of the `[forks.<fork>]` table in place, keeping every other byte."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    header = f"[forks.{fork}]"
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == header)
+    except StopIteration:
+        raise ManifestError(f"{path}: no {header} table to update") from None
+    end = next(
+        (i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines)
+    )
+    remaining = dict(values)
+    for i in range(start + 1, end):
+        key = lines[i].split("=", 1)[0].strip()
+        if key in remaining and "=" in lines[i]:
+            lines[i] = f"{key} = {json.dumps(remaining.pop(key))}\n"
+    last = max((i for i in range(start, end) if lines[i].strip()), default=start)
+    lines[last + 1 : last + 1] = [f"{k} = {json.dumps(v)}\n" for k, v in remaining.items()]
+    path.write_text("".join(lines), encoding="utf-8")

@@ -1,0 +1,257 @@
+"""Bring a fork's upstream tree at its pin: from git (submodule, mirrors honoured) or from PyPI.
+
+A PyPI-derived tree becomes a git repository of its own whose single commit holds the distribution's
+files, is tagged with the upstream ref and says in its message (and in `recipe.source`) that it is
+not the upstream commit. The commit is made with a fixed identity and date, so the same file gives
+the same commit id everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html.parser
+import json
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import urllib.parse
+import urllib.request
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+from tools.forks import git
+from tools.forks.manifest import Fork
+
+DEFAULT_INDEX = "https://pypi.org/simple"
+PYPI_IDENTITY = {
+    "GIT_AUTHOR_NAME": "PyPI distribution",
+    "GIT_AUTHOR_EMAIL": "pypi@rl-recipe.invalid",
+    "GIT_AUTHOR_DATE": "1980-01-01T00:00:00+0000",
+    "GIT_COMMITTER_NAME": "PyPI distribution",
+    "GIT_COMMITTER_EMAIL": "pypi@rl-recipe.invalid",
+    "GIT_COMMITTER_DATE": "1980-01-01T00:00:00+0000",
+}
+SOURCE_TRAILER = "Recipe-Source: pypi"
+# Local mirrors (url.<dir>.insteadOf) are plain paths; git refuses the file transport for
+# submodules unless told otherwise.
+ALLOW_LOCAL = ("protocol.file.allow=always",)
+
+
+class SourceError(RuntimeError):
+    """The upstream tree could not be had; the message names the fork, what was tried and the fix."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rl-recipe" / "dists"
+
+
+# ---------------------------------------------------------------- git
+
+
+def sync_git(root: Path, fork: Fork) -> None:
+    """Check out the pinned commit through the submodule (or a plain clone outside a superproject)."""
+    path = root / fork.path
+    if _is_gitlink(root, fork.path):
+        cmd = ("submodule", "update", "--init", "--checkout", "--", fork.path)
+        proc = git.run(root, *cmd, config=ALLOW_LOCAL, check=False)
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        proc = git.run(path.parent, "clone", "--no-checkout", fork.url, path.name,
+                       config=ALLOW_LOCAL, check=False)
+        if proc.returncode == 0:
+            proc = git.run(path, "checkout", "--detach", fork.commit, check=False)
+    if proc.returncode != 0 or git.resolve(path, fork.commit) is None:
+        raise SourceError(
+            f"{fork.name}: git could not fetch {fork.commit[:12]} ({fork.ref}) from {fork.url}:"
+            f" {(proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['commit missing']}\n"
+            f"  fix: give git a mirror, e.g. `git config --global url.<mirror>.insteadOf {fork.url}`,"
+            " or use --source pypi where the fork has a PyPI source"
+        )
+    git.set_config(path, "recipe.source", "git")
+    git.set_config(path, "recipe.base", fork.commit)
+
+
+def _is_gitlink(root: Path, rel: str) -> bool:
+    if not git.is_repo_root(root):
+        return False
+    entry = git.out(root, "ls-files", "--stage", "--", rel)
+    return entry.startswith("160000 ")
+
+
+# ---------------------------------------------------------------- PyPI
+
+
+class _Links(html.parser.HTMLParser):
+    """Anchors of a PEP 503 simple-index page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: dict[str, str] = {}
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "a":
+            href = dict(attrs).get("href")
+            if href:
+                name = urllib.parse.unquote(href.split("#")[0].rsplit("/", 1)[-1])
+                self.links[name] = href
+
+
+def _normalize(name: str) -> str:
+    return "-".join(name.lower().replace("_", "-").replace(".", "-").split("-"))
+
+
+def find_distribution(fork: Fork, index_urls: list[str], find_links: list[Path]) -> str:
+    """URL or local path of the pinned file: find-links folders first, then each index."""
+    pin = fork.pypi
+    assert pin is not None
+    for folder in find_links:
+        candidate = folder / pin.file
+        if candidate.is_file():
+            return str(candidate)
+    tried = []
+    for index in index_urls:
+        page = f"{index.rstrip('/')}/{_normalize(pin.name)}/"
+        tried.append(page)
+        try:
+            request = urllib.request.Request(
+                page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"}
+            )
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                body = resp.read().decode("utf-8")
+                kind = resp.headers.get("Content-Type", "")
+        except (OSError, ValueError):
+            continue
+        if "json" in kind:
+            files = {f["filename"]: f["url"] for f in json.loads(body).get("files", [])}
+        else:
+            parser = _Links()
+            parser.feed(body)
+            files = parser.links
+        if pin.file in files:
+            return urllib.parse.urljoin(page, files[pin.file])
+    raise SourceError(
+        f"{fork.name}: {pin.file} ({pin.requirement}) not found; tried"
+        f" {', '.join(map(str, find_links)) or 'no find-links folder'} and {', '.join(tried)}\n"
+        "  fix: pass --index-url for a reachable index or --find-links DIR holding that file"
+    )
+
+
+def download(fork: Fork, location: str, progress: bool = True) -> Path:
+    """The pinned file in the download cache, fetched if needed and checked against its sha256."""
+    pin = fork.pypi
+    assert pin is not None
+    cached = cache_dir() / pin.file
+    if cached.is_file() and _sha256(cached) == pin.sha256:
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cached.parent, prefix=f".{pin.file}.")
+    try:
+        with os.fdopen(fd, "wb") as dst:
+            if os.path.exists(location):
+                with open(location, "rb") as src:
+                    shutil.copyfileobj(src, dst)
+            else:
+                with urllib.request.urlopen(location, timeout=300) as resp:
+                    _copy_with_progress(resp, dst, pin.file, int(resp.headers.get("Content-Length") or 0),
+                                        progress)
+        digest = _sha256(Path(tmp))
+        if digest != pin.sha256:
+            raise SourceError(
+                f"{fork.name}: {pin.file} from {location} has sha256 {digest}, forks.toml pins"
+                f" {pin.sha256}; the index serves a different file, refusing it"
+            )
+        os.replace(tmp, cached)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return cached
+
+
+def _copy_with_progress(src, dst, label: str, total: int, progress: bool) -> None:
+    done = 0
+    while chunk := src.read(1 << 20):
+        dst.write(chunk)
+        done += len(chunk)
+        if progress and total and sys.stderr.isatty():
+            print(f"\r  {label}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB", end="", file=sys.stderr)
+    if progress and total and sys.stderr.isatty():
+        print(file=sys.stderr)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def unpack(fork: Fork, archive: Path, dest: Path) -> None:
+    """Lay the distribution's files into `dest` with the upstream repository's layout."""
+    pin = fork.pypi
+    assert pin is not None
+    if archive.name.endswith(".whl"):
+        with zipfile.ZipFile(archive) as zf:
+            meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            version = Parser().parsestr(zf.read(meta).decode()).get("Version")
+            for info in zf.infolist():
+                if ".dist-info/" not in info.filename:
+                    zf.extract(info, dest)
+    else:
+        with tarfile.open(archive) as tf:
+            members = tf.getmembers()
+            top = members[0].name.split("/")[0]
+            pkg_info = tf.extractfile(f"{top}/PKG-INFO")
+            version = Parser().parsestr(pkg_info.read().decode()).get("Version") if pkg_info else None
+            for m in members:
+                parts = m.name.split("/", 1)
+                if len(parts) == 2 and parts[1] and (m.isfile() or m.isdir()):
+                    m.name = parts[1]
+                    tf.extract(m, dest, filter="data")
+    if version != pin.version:
+        raise SourceError(
+            f"{fork.name}: {archive.name} says version {version!r}, forks.toml pins {pin.version}"
+        )
+
+
+def sync_pypi(root: Path, fork: Fork, index_urls: list[str], find_links: list[Path]) -> None:
+    """Replace an empty fork path by a git repository holding the pinned distribution's files."""
+    if fork.pypi is None:
+        raise SourceError(f"{fork.name}: git-only (forks.toml has no PyPI source for it)")
+    path = root / fork.path
+    archive = download(fork, find_distribution(fork, index_urls, find_links))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.sync-"))
+    try:
+        unpack(fork, archive, staging)
+        _commit_tree(staging, fork, archive)
+        if path.exists():
+            path.rmdir()  # only an empty placeholder; callers refuse anything else
+        os.replace(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _commit_tree(repo: Path, fork: Fork, archive: Path) -> None:
+    pin = fork.pypi
+    assert pin is not None
+    git.run(repo, "init", "--quiet", f"--initial-branch=pypi/{fork.ref}")
+    for key, value in (("core.autocrlf", "false"), ("core.fileMode", "true")):
+        git.set_config(repo, key, value)
+    git.run(repo, "add", "--all", "--force", ".")  # the distribution's .gitignore must not drop files
+    message = (
+        f"PyPI-derived tree of {pin.requirement} ({pin.file})\n\n"
+        f"Not upstream commit {fork.commit} ({fork.ref}): the files of the {pin.file} distribution"
+        f" (sha256 {pin.sha256}), laid out as in the upstream repository.\n"
+        + (f"\n{pin.note}\n" if pin.note else "")
+        + f"\n{SOURCE_TRAILER}\nUpstream-Commit: {fork.commit}\n"
+    )
+    git.run(repo, "commit", "--quiet", "--no-verify", "-F", "-", input=message, env=PYPI_IDENTITY,
+            config=git.NO_SIGNING)
+    git.run(repo, "tag", fork.ref, config=git.NO_SIGNING)
+    git.set_config(repo, "recipe.source", "pypi")
+    git.set_config(repo, "recipe.base", git.out(repo, "rev-parse", "HEAD"))
