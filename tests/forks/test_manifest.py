@@ -83,3 +83,11 @@ def test_every_command_has_help(command):
     proc = subprocess.run([sys.executable, "-m", "tools.forks", command, "--help"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: python -m tools.forks" in proc.stdout
+
+
+def test_readme_pins_table_equals_forks_toml():
+    from tools.forks.cli import pins_table
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- pins:begin", 1)[1].split("-->", 1)[1].split("<!-- pins:end -->", 1)[0]
+    assert block.strip() == pins_table(manifest_mod.load(ROOT).forks.values()).strip()

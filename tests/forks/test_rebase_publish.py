@@ -102,7 +102,8 @@ def test_publish_pushes_and_switches_the_submodule(with_series, tmp_path, capsys
     manifest = tomllib.loads((p.root / "third_party/forks.toml").read_text())["forks"]["demo"]
     assert manifest["published_url"] == str(remote) and manifest["published_commit"] == tip
     assert manifest["commit"] == p.upstream.v1, "the upstream pin stays the series base"
-    from tools.forks import manifest as manifest_mod, ops
+    from tools.forks import manifest as manifest_mod
+    from tools.forks import ops
 
     assert ops.gitlink_problems(manifest_mod.load(p.root)) == []
 

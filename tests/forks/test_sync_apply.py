@@ -7,8 +7,6 @@ import http.server
 import threading
 import time
 
-import pytest
-
 from tests.forks.conftest import PATCHES, V1_FILES, commit, git, make_project, make_sdist, sha256
 
 

@@ -100,6 +100,9 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--abort", action="store_true", help="drop the replay, leave everything as before")
     p.add_argument("--dry-run", action="store_true", help="with --onto: list which patches would drop")
 
+    p = add("pins", "Print the pins as the Markdown table the README carries (a test keeps them equal).")
+    _fork_args(p)
+
     p = add("publish", "Push recipe/<fork> to a fork remote and point the submodule at it.",
             "Switches the .gitmodules URL and the gitlink to the published branch, so that clones get\n"
             "our commits from the fork; the series stays the review copy (export --check guards it).")
@@ -145,7 +148,7 @@ def cmd_status(args, manifest, forks) -> int:
         off += not ok
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     problems = ops.gitlink_problems(manifest)
     for problem in problems:
         print(f"superproject: {problem}")
@@ -271,7 +274,23 @@ def cmd_publish(args, manifest, forks) -> int:
     return EXIT_OK
 
 
+def pins_table(forks) -> str:
+    rows = ["| fork | path | upstream | ref | commit | PyPI fallback | profiles |",
+            "|---|---|---|---|---|---|---|"]
+    for f in forks:
+        fallback = f"`{f.pypi.file}`" if f.pypi else "none (git only)"
+        rows.append(f"| {f.name} | `{f.path}` | {f.url} | `{f.ref}` | `{f.commit}` | {fallback} |"
+                    f" {', '.join(f.profiles)} |")
+    return "\n".join(rows) + "\n"
+
+
+def cmd_pins(args, manifest, forks) -> int:
+    print(pins_table(forks), end="")
+    return EXIT_OK
+
+
 COMMANDS = {
+    "pins": cmd_pins,
     "status": cmd_status,
     "sync": cmd_sync,
     "apply": cmd_apply,

@@ -192,9 +192,9 @@ def _changed(repo: Path, data: dict) -> list[str]:
     """Kept patches whose diff differs after the replay (context moved or conflict resolved)."""
     old = git.commits(repo, data["from"], data["old_tip"])
     new = git.commits(repo, data["to"], git.out(repo, "rev-parse", "HEAD"))
-    old_by_name = dict(zip(data["patches"], old))
+    old_by_name = dict(zip(data["patches"], old, strict=True))
     changed = []
-    for name, sha in zip(data["kept"], new):
+    for name, sha in zip(data["kept"], new, strict=True):
         before = git.patch_id(repo, git.out(repo, "show", "--no-color", old_by_name[name]))
         after = git.patch_id(repo, git.out(repo, "show", "--no-color", sha))
         if before != after:

@@ -1,0 +1,36 @@
+"""Sessions for building, checking and testing the stack: `nox -l` lists them.
+
+Sessions stay thin: the logic lives in importable, tested modules under tools/.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["tests", "lint"]
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+
+
+@nox.session(python=False, default=False)
+def forks(session: nox.Session) -> None:
+    """Manage the pinned forks and their patch series (args go to `python -m tools.forks`)."""
+    session.run(sys.executable, "-m", "tools.forks", *(session.posargs or ["status"]), external=True)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """Run the CPU test suite (what CI runs); args go to pytest."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """Lint the project's own code with ruff (third_party/ excluded)."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
+    session.run("ruff", "check", ".")
