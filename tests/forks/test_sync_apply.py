@@ -183,3 +183,18 @@ def test_apply_failure_names_the_patch_and_keeps_the_branch(with_series, capsys)
     assert names[2] in err and "does not apply" in err
     assert git(p.fork, "rev-parse", "recipe/demo") == tip
     assert not (p.fork / git(p.fork, "rev-parse", "--git-path", "rebase-apply")).exists()
+
+
+def test_git_add_all_in_the_superproject_never_stages_an_applied_fork(with_series):
+    p = with_series
+    assert git(p.fork, "rev-parse", "HEAD") != p.upstream.v1
+    (p.root / "notes.txt").write_text("unrelated work\n")
+    git(p.root, "add", "-A")
+    assert git(p.root, "ls-files", "--stage", "third_party/demo").split()[1] == p.upstream.v1
+    assert "third_party/demo" not in git(p.root, "diff", "--cached", "--name-only")
+
+
+def test_git_add_all_never_stages_a_pypi_tree(project):
+    assert project.cli("sync", "demo", "--source", "pypi", "--find-links", str(project.dist)) == 0
+    git(project.root, "add", "-A")
+    assert git(project.root, "ls-files", "--stage", "third_party/demo").split()[1] == project.upstream.v1

@@ -125,6 +125,20 @@ def _refuse_strays(st: State) -> None:
         )
 
 
+def set_gitlink(root: Path, fork: Fork, commit: str | None = None) -> None:
+    """Stage the superproject's gitlink (when `commit` is given) and shield it from `git add -A`.
+
+    With a series applied, or a PyPI-derived tree, the fork's HEAD is not the gitlink commit, and a
+    plain `git add -A` would stage that local commit as the new gitlink. skip-worktree (a flag of
+    the local index, never committed) makes git leave the entry alone until a tool moves it.
+    """
+    if not sources.is_gitlink(root, fork.path):
+        return
+    if commit:
+        git.run(root, "update-index", "--add", "--cacheinfo", f"160000,{commit},{fork.path}")
+    git.run(root, "update-index", "--skip-worktree", "--", fork.path)
+
+
 def _record(st: State, tip: str) -> None:
     git.set_config(st.path, "recipe.tip", tip)
     git.set_config(st.path, "recipe.series", st.series.digest())
@@ -149,6 +163,7 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
     """Bring the upstream tree at the pin; returns a one-line report."""
     st = state(root, fork)
     if st.present and source in ("auto", st.source) and not force:
+        set_gitlink(root, fork)
         return f"already present ({st.source})"
     if st.source != "absent":
         if not force:
@@ -168,6 +183,7 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
         if source in ("git", "auto"):
             try:
                 sources.sync_git(root, fork)
+                set_gitlink(root, fork)
                 return "synced from git"
             except sources.SourceError as exc:
                 _clear_failed_checkout(st.path)
@@ -175,6 +191,7 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
                     raise
                 git_failure = str(exc)
         sources.sync_pypi(root, fork, index_urls, find_links)
+        set_gitlink(root, fork)
         return f"synced from PyPI ({fork.pypi.file})" + (
             f" after git failed: {git_failure.splitlines()[0]}" if source == "auto" else ""
         )
@@ -196,6 +213,7 @@ def apply(root: Path, fork: Fork, dry_run: bool = False) -> str:
     _require_present(st)
     _require_clean(st)
     _refuse_strays(st)
+    set_gitlink(root, fork)
     names = st.series.names()
     if is_current(st):
         if git.head_branch(st.path) != fork.branch:
@@ -302,7 +320,7 @@ def publish(root: Path, fork: Fork, remote: str, force: bool = False, dry_run: b
 
     git.run(root, "config", "-f", ".gitmodules", f"submodule.{fork.path}.url", remote)
     git.run(root, "config", "-f", ".gitmodules", f"submodule.{fork.path}.branch", fork.branch)
-    git.run(root, "update-index", "--add", "--cacheinfo", f"160000,{st.tip},{fork.path}")
+    set_gitlink(root, fork, st.tip)
     git.run(root, "submodule", "sync", "--quiet", "--", fork.path)
     manifest_mod.set_keys(root / manifest_mod.MANIFEST, fork.name,
                           {"published_url": remote, "published_commit": st.tip})

@@ -177,8 +177,7 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict) -> str:
     manifest_path = root / manifest_mod.MANIFEST
     manifest_mod.set_keys(manifest_path, fork.name, {"ref": data["to_ref"], "commit": data["to"]})
     moved = manifest_mod.load(root).forks[fork.name]
-    if git.is_repo_root(root):
-        git.run(root, "update-index", "--add", "--cacheinfo", f"160000,{data['to']},{fork.path}")
+    ops.set_gitlink(root, fork, data["to"])
     ops.export(root, moved)
     report = _report(fork, data, changed, range_diff)
     report_path = root / fork.patches / f"REBASE-{_label(data['from_ref'])}-{_label(data['to_ref'])}.md"

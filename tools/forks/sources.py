@@ -55,7 +55,7 @@ def cache_dir() -> Path:
 def sync_git(root: Path, fork: Fork) -> None:
     """Check out the pinned commit through the submodule (or a plain clone outside a superproject)."""
     path = root / fork.path
-    if _is_gitlink(root, fork.path):
+    if is_gitlink(root, fork.path):
         cmd = ("submodule", "update", "--init", "--checkout", "--", fork.path)
         proc = git.run(root, *cmd, config=ALLOW_LOCAL, check=False)
     else:
@@ -75,7 +75,7 @@ def sync_git(root: Path, fork: Fork) -> None:
     git.set_config(path, "recipe.base", fork.commit)
 
 
-def _is_gitlink(root: Path, rel: str) -> bool:
+def is_gitlink(root: Path, rel: str) -> bool:
     if not git.is_repo_root(root):
         return False
     entry = git.out(root, "ls-files", "--stage", "--", rel)
