@@ -37,9 +37,9 @@ PATCHES = [
 ]
 
 
-def git(cwd: Path, *args: str, input: str | None = None) -> str:
+def git(cwd: Path, *args: str, input: str | None = None, check: bool = True) -> str:
     proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, input=input)
-    assert proc.returncode == 0, f"git {args} failed: {proc.stderr}"
+    assert proc.returncode == 0 or not check, f"git {args} failed: {proc.stderr}"
     return proc.stdout.strip()
 
 

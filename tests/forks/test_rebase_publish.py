@@ -117,3 +117,54 @@ def test_publish_refuses_unexported_commits(with_series, tmp_path, capsys):
     assert with_series.cli("publish", "demo", "--remote", str(remote)) == 2
     assert "not in the series" in capsys.readouterr().err
     assert git(remote, "for-each-ref") == ""
+
+
+def test_a_pulled_rebase_is_followed_by_sync_and_apply(tmp_path, upstream, capsys):
+    import shutil
+
+    from tests.forks.conftest import commit_series, make_project
+
+    author, teammate = make_project(tmp_path / "a", upstream), make_project(tmp_path / "b", upstream)
+    commit_series(author)
+    commit_series(teammate)
+    # The teammate cloned before v2 existed: remove every trace of it from their checkout.
+    git(teammate.fork, "tag", "-d", "v2")
+    for ref in git(teammate.fork, "for-each-ref", "--format=%(refname)").split():
+        if ref != "refs/heads/recipe/demo":
+            git(teammate.fork, "update-ref", "-d", ref)
+    git(teammate.fork, "reflog", "expire", "--expire=now", "--all")
+    git(teammate.fork, "gc", "-q", "--prune=now")
+    assert git(teammate.fork, "cat-file", "-t", upstream.v2, check=False) != "commit"
+    assert author.cli("rebase", "demo", "--onto", "v2") == 3
+    (author.fork / "config.py").write_text("batch = 64\nlr = 0.1\n")
+    git(author.fork, "add", "config.py")
+    assert author.cli("rebase", "demo", "--continue") == 0
+    assert "forks.demo.pypi still names demo==1.0" in capsys.readouterr().out
+
+    # The teammate pulls: forks.toml, the series and the gitlink change.
+    shutil.copy(author.root / "third_party/forks.toml", teammate.root / "third_party/forks.toml")
+    shutil.rmtree(teammate.patches)
+    shutil.copytree(author.patches, teammate.patches)
+    git(teammate.root, "update-index", "--cacheinfo", f"160000,{upstream.v2},third_party/demo")
+
+    assert teammate.cli("status", "--check", "demo") == 1
+    assert "not at the pin, run sync" in capsys.readouterr().out
+    assert teammate.cli("apply", "demo") == 2
+    assert "run `python -m tools.forks sync demo`" in capsys.readouterr().err
+    assert teammate.cli("sync", "demo") == 0
+    assert "updated to the new pin" in capsys.readouterr().out
+    assert teammate.cli("apply", "demo") == 0
+    assert teammate.cli("export", "--check", "demo") == 0
+    assert git(teammate.fork, "rev-parse", "recipe/demo") == git(author.fork, "rev-parse", "recipe/demo")
+
+
+def test_a_pypi_tree_goes_stale_when_the_pin_moves(project, capsys):
+    from tools.forks import manifest as manifest_mod
+
+    assert project.cli("sync", "demo", "--source", "pypi", "--find-links", str(project.dist)) == 0
+    manifest_mod.set_keys(project.root / "third_party/forks.toml", "demo",
+                          {"ref": "v2", "commit": project.upstream.v2})
+    assert project.cli("status", "demo") == 0
+    assert "pypi tree not at the pin" in capsys.readouterr().out
+    assert project.cli("sync", "demo") == 2
+    assert "made for another pin" in capsys.readouterr().err

@@ -159,8 +159,8 @@ def _status_row(root: Path, fork) -> tuple[tuple[str, ...], bool]:
     st = ops.state(root, fork)
     pin = f"{fork.ref} @ {fork.commit[:12]}"
     n = len(st.series.names())
-    if not st.present:
-        hint = "run sync" if st.source == "absent" else "pin missing, run sync --force"
+    if st.base is None:
+        hint = "run sync" if st.source == "absent" else f"{st.source} tree not at the pin, run sync"
         return (fork.name, pin, st.source, "-", f"{n} patches", hint), False
     source = f"pypi ({fork.pypi.file})" if st.source == "pypi" and fork.pypi else st.source
     branch = f"{fork.branch} @ {st.tip[:12]}" if st.tip else "not applied"

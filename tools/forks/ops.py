@@ -33,8 +33,8 @@ class State:
 
     fork: Fork
     path: Path
-    source: str  # git | pypi | absent | unknown
-    base: str | None
+    source: str  # git | pypi | absent
+    base: str | None  # None while the tree lacks the pin (sync fetches it)
     tip: str | None  # branch tip
     recorded_tip: str | None
     recorded_series: str | None
@@ -42,7 +42,7 @@ class State:
 
     @property
     def present(self) -> bool:
-        return self.source in ("git", "pypi")
+        return self.source != "absent"
 
 
 def state(root: Path, fork: Fork) -> State:
@@ -50,13 +50,14 @@ def state(root: Path, fork: Fork) -> State:
     series = Series(root / fork.patches)
     if not git.is_repo_root(path):
         return State(fork, path, "absent", None, None, None, None, series)
-    source = git.get_config(path, "recipe.source")
-    base = None
+    # A checkout made by `git clone --recursive` has no recipe.source: it is a git one.
+    source = git.get_config(path, "recipe.source") or "git"
     if source == "pypi":
-        base = git.get_config(path, "recipe.base")
+        # A PyPI tree serves only the pin it was made for; after the pin moves it is stale.
+        made_for = git.get_config(path, "recipe.upstream-commit")
+        base = git.get_config(path, "recipe.base") if made_for == fork.commit else None
     else:
         base = git.resolve(path, fork.commit)
-        source = "git" if base else "unknown"
     return State(
         fork,
         path,
@@ -76,8 +77,8 @@ def _require_present(st: State) -> None:
         )
     if st.base is None:
         raise ForkError(
-            f"{st.fork.name}: {st.path} does not contain the pinned commit {st.fork.commit[:12]}"
-            f" ({st.fork.ref}); run `python -m tools.forks sync {st.fork.name} --force`"
+            f"{st.fork.name}: the {st.source} tree at {st.path} is not at the pin {st.fork.commit[:12]}"
+            f" ({st.fork.ref}) yet; run `python -m tools.forks sync {st.fork.name}`"
         )
 
 
@@ -162,14 +163,25 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
          find_links: list[Path]) -> str:
     """Bring the upstream tree at the pin; returns a one-line report."""
     st = state(root, fork)
-    if st.present and source in ("auto", st.source) and not force:
+    if st.base and source in ("auto", st.source) and not force:
         set_gitlink(root, fork)
         return f"already present ({st.source})"
+    if st.source == "git" and source in ("auto", "git") and not force:
+        # The pin moved (a pulled rebase): fetch it into the existing checkout, losing nothing.
+        _require_clean(st)
+        _refuse_strays(st)
+        try:
+            sources.sync_git(root, fork)
+        except sources.SourceError as exc:
+            raise ForkError(str(exc)) from None
+        set_gitlink(root, fork)
+        return f"updated to the new pin {fork.commit[:12]} from git; run apply"
     if st.source != "absent":
         if not force:
+            made_for = "" if st.base else " made for another pin"
             raise ForkError(
-                f"{fork.name}: {st.path} already holds a {st.source} tree; pass --force to replace it"
-                f" with the {source} source"
+                f"{fork.name}: {st.path} already holds a {st.source} tree{made_for}; pass --force to"
+                f" replace it with the {source} source"
             )
         if st.present:
             _require_clean(st)

@@ -143,7 +143,10 @@ def resume(root: Path, fork: Fork) -> str:
         before = git.out(repo, "rev-parse", "HEAD")
         staged = git.run(repo, "diff", "--cached", "--quiet", check=False).returncode != 0
         if staged:
-            git.run(repo, "am", "--continue", env=git.TOOL_IDENTITY, config=git.NO_SIGNING)
+            # Same committer and date as `apply` would give, so the branch is reproducible.
+            headers, _ = git.mailinfo((root / fork.patches / name).read_text(encoding="utf-8"), repo)
+            env = {**git.TOOL_IDENTITY, "GIT_COMMITTER_DATE": headers["Date"]}
+            git.run(repo, "am", "--continue", env=env, config=git.NO_SIGNING)
         else:
             git.run(repo, "am", "--skip")
         _note(data, repo, name, before)
@@ -183,8 +186,12 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict) -> str:
     report_path = root / fork.patches / f"REBASE-{_label(data['from_ref'])}-{_label(data['to_ref'])}.md"
     report_path.write_text(report, encoding="utf-8")
     _state_path(repo).unlink(missing_ok=True)
-    return (f"rebased {fork.name} onto {data['to_ref']} ({data['to'][:12]}): kept {len(data['kept'])},"
-            f" dropped {len(data['dropped'])}, changed {len(changed)}; report {report_path.relative_to(root)}")
+    summary = (f"rebased {fork.name} onto {data['to_ref']} ({data['to'][:12]}): kept {len(data['kept'])},"
+               f" dropped {len(data['dropped'])}, changed {len(changed)}; report {report_path.relative_to(root)}")
+    if fork.pypi:
+        summary += (f"\nnote: forks.{fork.name}.pypi still names {fork.pypi.requirement}, the old pin's"
+                    " distribution: set requirement, file and sha256 for the new release, or remove it")
+    return summary
 
 
 def _changed(repo: Path, data: dict) -> list[str]:

@@ -58,6 +58,10 @@ def sync_git(root: Path, fork: Fork) -> None:
     if is_gitlink(root, fork.path):
         cmd = ("submodule", "update", "--init", "--checkout", "--", fork.path)
         proc = git.run(root, *cmd, config=ALLOW_LOCAL, check=False)
+    elif git.is_repo_root(path):  # a clone outside a superproject whose pin moved
+        proc = git.run(path, "fetch", "--quiet", "--tags", fork.url, config=ALLOW_LOCAL, check=False)
+        if proc.returncode == 0:
+            proc = git.run(path, "checkout", "--quiet", "--detach", fork.commit, check=False)
     else:
         path.mkdir(parents=True, exist_ok=True)
         proc = git.run(path.parent, "clone", "--no-checkout", fork.url, path.name,
@@ -255,3 +259,4 @@ def _commit_tree(repo: Path, fork: Fork, archive: Path) -> None:
     git.run(repo, "tag", fork.ref, config=git.NO_SIGNING)
     git.set_config(repo, "recipe.source", "pypi")
     git.set_config(repo, "recipe.base", git.out(repo, "rev-parse", "HEAD"))
+    git.set_config(repo, "recipe.upstream-commit", fork.commit)
