@@ -17,6 +17,24 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 
 
 @nox.session(python=False, default=False)
+def install(session: nox.Session) -> None:
+    """Install the whole stack into .venv (args: --device npu|cuda|cpu, --dry-run, --wheelhouse DIR)."""
+    session.run(sys.executable, "-m", "tools.install", "install", *session.posargs, external=True)
+
+
+@nox.session(python=False, default=False)
+def wheelhouse(session: nox.Session) -> None:
+    """Collect everything install needs into a folder, for air-gapped clusters (args: --device, --dest)."""
+    session.run(sys.executable, "-m", "tools.install", "wheelhouse", *session.posargs, external=True)
+
+
+@nox.session(python=False, default=False)
+def lock(session: nox.Session) -> None:
+    """Write requirements/<device>.lock from the installed .venv (args: --device)."""
+    session.run(sys.executable, "-m", "tools.install", "lock", *session.posargs, external=True)
+
+
+@nox.session(python=False, default=False)
 def forks(session: nox.Session) -> None:
     """Manage the pinned forks and their patch series (args go to `python -m tools.forks`)."""
     session.run(sys.executable, "-m", "tools.forks", *(session.posargs or ["status"]), external=True)

@@ -223,6 +223,7 @@ def _clear_failed_checkout(path: Path) -> None:
 def apply(root: Path, fork: Fork, dry_run: bool = False) -> str:
     st = state(root, fork)
     _require_present(st)
+    sources.exclude_build_outputs(st.path)
     _require_clean(st)
     _refuse_strays(st)
     set_gitlink(root, fork)

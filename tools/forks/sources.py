@@ -49,6 +49,21 @@ def cache_dir() -> Path:
     return Path(base) / "rl-recipe" / "dists"
 
 
+# Build outputs of an editable install (egg-info, compiled extensions, CMake trees). Listed in the
+# fork's own .git/info/exclude, so that installing a fork never counts as local work in it.
+BUILD_OUTPUTS = ("*.egg-info/", "build/", "dist/", "__pycache__/", "*.so", ".deps/")
+
+
+def exclude_build_outputs(path: Path) -> None:
+    exclude = Path(git.out(path, "rev-parse", "--path-format=absolute", "--git-path", "info/exclude"))
+    have = exclude.read_text().splitlines() if exclude.is_file() else []
+    missing = [p for p in BUILD_OUTPUTS if p not in have]
+    if missing:
+        exclude.parent.mkdir(parents=True, exist_ok=True)
+        exclude.write_text("\n".join([*have, "# tools.forks: build outputs of editable installs", *missing]) + "\n")
+
+
+
 # ---------------------------------------------------------------- git
 
 
@@ -69,9 +84,10 @@ def sync_git(root: Path, fork: Fork) -> None:
         if proc.returncode == 0:
             proc = git.run(path, "checkout", "--detach", fork.commit, check=False)
     if proc.returncode != 0 or git.resolve(path, fork.commit) is None:
+        said = (proc.stderr or proc.stdout).strip().splitlines()
         raise SourceError(
             f"{fork.name}: git could not fetch {fork.commit[:12]} ({fork.ref}) from {fork.url}:"
-            f" {(proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['commit missing']}\n"
+            f" {said[0] if said else 'the commit is not there'}\n"
             f"  fix: give git a mirror, e.g. `git config --global url.<mirror>.insteadOf {fork.url}`,"
             " or use --source pypi where the fork has a PyPI source"
         )
@@ -246,7 +262,11 @@ def _commit_tree(repo: Path, fork: Fork, archive: Path) -> None:
     git.run(repo, "init", "--quiet", f"--initial-branch=pypi/{fork.ref}")
     for key, value in (("core.autocrlf", "false"), ("core.fileMode", "true")):
         git.set_config(repo, key, value)
-    git.run(repo, "add", "--all", "--force", ".")  # the distribution's .gitignore must not drop files
+    # Generated files the distribution carries (egg-info, setuptools-scm's _version.py) are ignored by
+    # upstream's own .gitignore, where the distribution has one, and by the build-output patterns:
+    # they are not upstream sources and an editable install rewrites them.
+    exclude_build_outputs(repo)
+    git.run(repo, "add", "--all", ".")
     message = (
         f"PyPI-derived tree of {pin.requirement} ({pin.file})\n\n"
         f"Not upstream commit {fork.commit} ({fork.ref}): the files of the {pin.file} distribution"

@@ -1,0 +1,144 @@
+"""Running a plan on fake forks: order, stamps and skips, resume after a failure, stack.json, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.forks.conftest import commit, git
+from tools.install import run as run_mod
+from tools.install.plan import build_plan
+from tools.install.run import InstallError, execute
+
+
+def install(stack, **kw):
+    ctx = stack.context(**kw)
+    return ctx, execute(ctx, build_plan(ctx), say=lambda *a: None)
+
+
+def test_first_run_installs_in_order_and_records_the_stack(fake_stack):
+    ctx, outcome = install(fake_stack)
+    assert set(outcome.values()) == {"ran"}
+    assert fake_stack.order() == ["megatron", "vllm", "verl"]
+    stack = json.loads((ctx.venv / "stack.json").read_text())
+    assert stack["profile"] == "cpu"
+    for name, fork in ctx.manifest.forks.items():
+        assert stack["forks"][name]["commit"] == fork.commit
+        assert stack["forks"][name]["source"] == "git"
+        assert stack["forks"][name]["version"] == "1.0"
+    assert stack["packages"]["torch"] == "9.9.9" and stack["packages"]["fakedep"] == "1.0"
+
+
+def test_second_run_is_a_noop(fake_stack):
+    install(fake_stack)
+    fake_stack.log.unlink()
+    _, outcome = install(fake_stack)
+    assert set(outcome) >= {"venv", "torch", "megatron", "vllm", "verl", "requirements", "smoke"}
+    assert all(v == "skipped" for k, v in outcome.items() if k not in ("preflight", "forks"))
+    assert fake_stack.order() == []
+
+
+def test_a_series_change_reinstalls_that_fork_and_what_follows(fake_stack):
+    ctx, _ = install(fake_stack)
+    fork = ctx.root / "third_party/vllm"
+    commit(fork, {"vllm/patched.py": "X = 1\n"}, "Add a patched module", "Needed by the recipe.")
+    from tools.forks.cli import main
+
+    assert main(["--root", str(ctx.root), "export", "vllm"]) == 0
+    fake_stack.log.unlink()
+    _, outcome = install(fake_stack)
+    assert outcome["megatron"] == "skipped" and outcome["torch"] == "skipped"
+    assert outcome["vllm"] == "ran" and outcome["verl"] == "ran" and outcome["smoke"] == "ran"
+    assert fake_stack.order() == ["vllm", "verl"]
+
+
+def test_a_failed_step_is_named_with_its_log_and_the_rerun_resumes_there(fake_stack, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL", "vllm")
+    with pytest.raises(InstallError) as err:
+        install(fake_stack)
+    message = str(err.value)
+    assert "step vllm failed" in message and "vllm.log" in message and "rerun" in message
+    assert "fake build failure of vllm" in (fake_stack.root / ".venv/.install/logs/vllm.log").read_text()
+    monkeypatch.delenv("FAKE_FAIL")
+    fake_stack.log.unlink()
+    _, outcome = install(fake_stack)
+    assert outcome["megatron"] == "skipped" and outcome["torch"] == "skipped"
+    assert outcome["vllm"] == "ran"
+    assert fake_stack.order() == ["vllm", "verl"]
+
+
+def test_force_runs_every_step(fake_stack):
+    install(fake_stack)
+    ctx = fake_stack.context()
+    outcome = execute(ctx, build_plan(ctx), force=True, say=lambda *a: None)
+    assert set(outcome.values()) == {"ran"}
+
+
+def test_smoke_names_a_module_that_does_not_import(fake_stack):
+    ctx, _ = install(fake_stack)
+    (ctx.root / "third_party/verl/verl/__init__.py").write_text("raise ImportError('broken on purpose')\n")
+    with pytest.raises(InstallError, match="verl: ImportError: broken on purpose"):
+        run_mod.smoke(ctx, lambda *a: None, "smoke")
+
+
+def test_forks_step_refuses_local_work_before_installing_anything(fake_stack):
+    ctx, _ = install(fake_stack)
+    (ctx.root / "third_party/verl/verl/__init__.py").write_text("changed = True\n")
+    with pytest.raises(InstallError, match="verl: uncommitted changes"):
+        install(fake_stack)
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def _checks(ctx, env):
+    return {c.name: c for c in run_mod.preflight(ctx, env)}
+
+
+def test_preflight_wrong_python_names_the_fix(fake_stack, tmp_path):
+    ctx = fake_stack.context(python="python2.7-does-not-exist")
+    check = _checks(ctx, {})["python"]
+    assert not check.ok and "--python" in check.fix
+
+
+def test_preflight_cann_missing_names_set_env(fake_stack, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(run_mod, "DEFAULT_CANN", fake_stack.root / "no-such-toolkit")
+    ctx = replace(fake_stack.context(), device="npu")
+    check = _checks(ctx, {})["CANN"]
+    assert not check.ok and "set_env.sh" in check.fix
+
+
+@pytest.mark.parametrize("installed, sourced, ok, words", [
+    ("8.2.RC1", True, True, "8.2.RC1"),
+    ("8.1.RC1", True, False, "is 8.1.RC1, the stack needs 8.2.RC1"),
+    ("8.2.RC1", False, False, "environment is not set"),
+])
+def test_preflight_cann_version_and_environment(fake_stack, tmp_path, monkeypatch, installed, sourced, ok, words):
+    from dataclasses import replace
+
+    home = tmp_path / "Ascend/ascend-toolkit/latest"
+    (home / "aarch64-linux").mkdir(parents=True)
+    info = home / "aarch64-linux/ascend_toolkit_install.info"
+    info.write_text(f"package_name=Ascend-cann-toolkit\nversion={installed}\n")
+    monkeypatch.setattr(run_mod, "DEFAULT_CANN", home)
+    manifest = fake_stack.context().manifest
+    manifest.stack["npu"] = {"python": manifest.stack["cpu"]["python"], "cann": "8.2.RC1"}
+    ctx = replace(fake_stack.context(), device="npu", manifest=manifest)
+    check = _checks(ctx, {"ASCEND_TOOLKIT_HOME": str(home)} if sourced else {})["CANN"]
+    assert check.ok == ok and words in (check.detail if ok else check.detail + check.fix)
+
+
+def test_preflight_failure_stops_before_any_step(fake_stack):
+    ctx = fake_stack.context(python="python2.7-does-not-exist")
+    with pytest.raises(InstallError, match="preflight failed"):
+        execute(ctx, build_plan(ctx), say=lambda *a: None)
+    assert not ctx.venv.exists()
+
+
+def test_git_status_of_the_forks_stays_clean_after_installing(fake_stack):
+    ctx, _ = install(fake_stack)
+    for fork in ctx.manifest.forks.values():
+        assert git(ctx.root / fork.path, "status", "--porcelain") == ""

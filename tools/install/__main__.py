@@ -1,0 +1,5 @@
+import sys
+
+from tools.install.cli import main
+
+sys.exit(main())
