@@ -40,11 +40,19 @@ def forks(session: nox.Session) -> None:
     session.run(sys.executable, "-m", "tools.forks", *(session.posargs or ["status"]), external=True)
 
 
-@nox.session(python="3.11")
+# The tests run inside the cpu profile of the stack (torch, Megatron-core, verl, vLLM from our forks),
+# kept apart from the user's own .venv; installing it is a no-op when nothing changed.
+TEST_STACK = ".nox/stack-cpu"
+
+
+@nox.session(python=False)
 def tests(session: nox.Session) -> None:
-    """Run the CPU test suite (what CI runs); args go to pytest."""
-    session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
-    session.run("python", "-m", "pytest", *session.posargs)
+    """Run the CPU test suite inside the cpu stack, installed first (what CI runs); args go to pytest."""
+    session.run(sys.executable, "-m", "tools.install", "--device", "cpu", "--venv", TEST_STACK, external=True)
+    python = f"{TEST_STACK}/bin/python"
+    session.run(python, "-m", "pip", "install", "--quiet", *nox.project.dependency_groups(PYPROJECT, "test"),
+                external=True)
+    session.run(python, "-m", "pytest", *session.posargs, external=True)
 
 
 @nox.session(python="3.11")

@@ -142,3 +142,13 @@ def test_git_status_of_the_forks_stays_clean_after_installing(fake_stack):
     ctx, _ = install(fake_stack)
     for fork in ctx.manifest.forks.values():
         assert git(ctx.root / fork.path, "status", "--porcelain") == ""
+
+
+def test_a_change_in_an_included_requirements_file_reruns_the_requirements_step(fake_stack):
+    reqs = fake_stack.root / "requirements"
+    (reqs / "common.in").write_text("fakedep==1.0\n")
+    (reqs / "cpu.in").write_text("-r common.in\n")
+    install(fake_stack)
+    (reqs / "common.in").write_text("fakedep==1.0  # a comment is a change too\n")
+    _, outcome = install(fake_stack)
+    assert outcome["requirements"] == "ran" and outcome["verl"] == "skipped"

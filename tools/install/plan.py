@@ -188,13 +188,26 @@ def build_plan(ctx: Context) -> list[Step]:
     files = [Path(a) for a in req if not a.startswith("-")]
     steps.append(Step("requirements", "pinned requirements (" + " + ".join(f.name for f in files) + ")",
                       commands=(_install(ctx, *req, build=False),),
-                      inputs=tuple(_digest(p) for p in files if p.is_file())))
+                      inputs=tuple(_digest(p) for f in files for p in requirement_files(f))))
     steps.append(Step("smoke", "import every installed fork; write stack.json", kind="smoke",
                       inputs=tuple(s.stamp() for s in steps)))
     return steps
 
 
+def requirement_files(path: Path) -> list[Path]:
+    """A requirements file and every file it includes with -r or -c, recursively."""
+    found = [path]
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            parts = line.split("#", 1)[0].split()
+            if len(parts) == 2 and parts[0] in ("-r", "-c", "--requirement", "--constraint"):
+                found += requirement_files(path.parent / parts[1])
+    return found
+
+
 def _digest(path: Path) -> str:
+    if not path.is_file():
+        return f"missing:{path}"
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
