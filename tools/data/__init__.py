@@ -1,0 +1,1 @@
+"""Training data in verl's RLHF parquet schema: `python -m tools.data --help`."""

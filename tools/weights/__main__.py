@@ -1,0 +1,5 @@
+import sys
+
+from tools.weights.cli import main
+
+sys.exit(main())

@@ -1,0 +1,488 @@
+"""HF DeepSeek-V3 <-> Megatron legacy per-rank checkpoints (what MindSpeed-LLM loads), and verify.
+
+The layout is planned by pure functions: every tensor of every rank file is a `RankTensor`, a
+concatenation of `Piece`s, each a slice of one HF tensor (optionally transposed). The writer, the
+inverse (mcore-to-hf) and the verifier all walk the same plan, so they cannot disagree about the
+mapping. Mapping (MindSpeed-LLM DeepSeek-V3 layer spec):
+
+  linear_qkv = cat(q_a_proj, kv_a_proj_with_mqa), replicated   linear_proj (o_proj): split dim 1
+  linear_qb / linear_kvb: split dim 0                          q_layernorm / k_layernorm: replicated
+  linear_fc1 = per TP rank cat(gate_t, up_t); linear_fc2 split dim 1 (dense MLP and shared experts)
+  router.weight, router.expert_bias (e_score_correction_bias): replicated
+  experts.weight1 [H, E_local*2F] = cat over local experts of cat(gate, up).T
+  experts.weight2 [E_local*F, H]  = cat over local experts of down.T
+  with --moe-tp-extend-ep rank (ep, tp) holds expert group ep*TP+tp whole; without, EP groups then
+  each expert's F split over TP. Embedding on the first stage, final norm and output on the last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tools.weights.io import CheckpointError, HashingWriter, Manifest, ShardedReader, atomic_write, progress
+from tools.weights.model import ConfigError, Dims, dims_from_config, hf_tensors, load_config
+
+ITERATION = 1
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    ep: int
+    layers_per_stage: tuple[int, ...]
+    tp_extend_ep: bool
+
+    def stage_of(self, stage: int) -> range:
+        start = sum(self.layers_per_stage[:stage])
+        return range(start, start + self.layers_per_stage[stage])
+
+    def ranks(self) -> list[tuple[int, int, int]]:
+        return [(t, p, e) for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
+
+    def file(self, tp: int, pp: int, ep: int) -> str:
+        suffix = f"_{ep:03d}" if self.ep > 1 else ""
+        return f"iter_{ITERATION:07d}/mp_rank_{tp:02d}_{pp:03d}{suffix}/model_optim_rng.pt"
+
+
+@dataclass(frozen=True)
+class Piece:
+    hf: str
+    dim: int  # which HF dimension is sliced
+    start: int
+    stop: int
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class RankTensor:
+    name: str
+    pieces: tuple[Piece, ...]
+    cat_dim: int = 0
+
+
+def make_layout(dims: Dims, tp: int, pp: int, ep: int, layer_list: list[int] | None = None,
+                tp_extend_ep: bool = False) -> Layout:
+    """Check the layout against the model; every error names the field and the numbers."""
+    for name, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+        if value < 1:
+            raise ConfigError(f"{name} is {value}; it must be at least 1")
+    if layer_list is None:
+        if dims.layers % pp:
+            raise ConfigError(f"num_hidden_layers {dims.layers} is not divisible by --pp {pp};"
+                              " pass --num-layer-list with one count per stage")
+        layer_list = [dims.layers // pp] * pp
+    if len(layer_list) != pp or sum(layer_list) != dims.layers or min(layer_list) < 1:
+        raise ConfigError(f"--num-layer-list {','.join(map(str, layer_list))} must have --pp {pp} positive entries"
+                          f" summing to num_hidden_layers {dims.layers} (sums to {sum(layer_list)})")
+    checks = [
+        ("num_attention_heads", dims.heads, tp, "--tp"),
+        ("vocab_size", dims.vocab, tp, "--tp"),
+        ("intermediate_size", dims.intermediate, tp, "--tp"),
+        ("moe_intermediate_size * n_shared_experts", dims.moe_intermediate * dims.shared_experts or tp, tp, "--tp"),
+    ]
+    if tp_extend_ep:
+        checks.append(("n_routed_experts", dims.experts, ep * tp, "--ep * --tp (with --moe-tp-extend-ep)"))
+    else:
+        checks += [("n_routed_experts", dims.experts, ep, "--ep"),
+                   ("moe_intermediate_size", dims.moe_intermediate, tp, "--tp")]
+    for field, value, divisor, flag in checks:
+        if value % divisor:
+            raise ConfigError(f"{field} {value} is not divisible by {flag} = {divisor}")
+    return Layout(tp, pp, ep, tuple(layer_list), tp_extend_ep)
+
+
+def _split(hf: str, size: int, parts: int, index: int, dim: int, transpose: bool = False) -> Piece:
+    step = size // parts
+    return Piece(hf, dim, index * step, (index + 1) * step, transpose)
+
+
+def _whole(hf: str, size: int) -> Piece:
+    return Piece(hf, 0, 0, size)
+
+
+def plan(dims: Dims, layout: Layout) -> dict[str, list[RankTensor]]:
+    """Rank file (relative path) -> the tensors it holds, in order."""
+    return {layout.file(t, p, e): _rank_tensors(dims, layout, t, p, e) for t, p, e in layout.ranks()}
+
+
+def _rank_tensors(dims: Dims, layout: Layout, tp: int, pp: int, ep: int) -> list[RankTensor]:
+    T = layout.tp
+    out: list[RankTensor] = []
+    if pp == 0:
+        out.append(RankTensor("embedding.word_embeddings.weight",
+                              (_split("model.embed_tokens.weight", dims.vocab, T, tp, 0),)))
+    for local, layer in enumerate(layout.stage_of(pp)):
+        hf, mc = f"model.layers.{layer}", f"decoder.layers.{local}"
+        attn = f"{hf}.self_attn"
+        out += [
+            RankTensor(f"{mc}.input_layernorm.weight", (_whole(f"{hf}.input_layernorm.weight", dims.hidden),)),
+            RankTensor(f"{mc}.self_attention.linear_qkv.weight",
+                       (_whole(f"{attn}.q_a_proj.weight", dims.q_lora_rank),
+                        _whole(f"{attn}.kv_a_proj_with_mqa.weight", dims.kv_lora_rank + dims.qk_rope))),
+            RankTensor(f"{mc}.self_attention.q_layernorm.weight",
+                       (_whole(f"{attn}.q_a_layernorm.weight", dims.q_lora_rank),)),
+            RankTensor(f"{mc}.self_attention.k_layernorm.weight",
+                       (_whole(f"{attn}.kv_a_layernorm.weight", dims.kv_lora_rank),)),
+            RankTensor(f"{mc}.self_attention.linear_qb.weight",
+                       (_split(f"{attn}.q_b_proj.weight", dims.heads * dims.qk_head, T, tp, 0),)),
+            RankTensor(f"{mc}.self_attention.linear_kvb.weight",
+                       (_split(f"{attn}.kv_b_proj.weight", dims.heads * (dims.qk_nope + dims.v_head), T, tp, 0),)),
+            RankTensor(f"{mc}.self_attention.linear_proj.weight",
+                       (_split(f"{attn}.o_proj.weight", dims.heads * dims.v_head, T, tp, 1),)),
+            RankTensor(f"{mc}.pre_mlp_layernorm.weight",
+                       (_whole(f"{hf}.post_attention_layernorm.weight", dims.hidden),)),
+        ]
+        if not dims.is_moe(layer):
+            out += _gated_mlp(f"{mc}.mlp", f"{hf}.mlp", dims.intermediate, T, tp)
+            continue
+        out += [
+            RankTensor(f"{mc}.mlp.router.weight", (_whole(f"{hf}.mlp.gate.weight", dims.experts),)),
+            RankTensor(f"{mc}.mlp.router.expert_bias",
+                       (_whole(f"{hf}.mlp.gate.e_score_correction_bias", dims.experts),)),
+        ]
+        if dims.shared_experts:
+            out += _gated_mlp(f"{mc}.mlp.shared_experts", f"{hf}.mlp.shared_experts",
+                              dims.moe_intermediate * dims.shared_experts, T, tp)
+        out += _grouped_experts(dims, layout, f"{mc}.mlp.experts", f"{hf}.mlp.experts", tp, ep)
+    if pp == layout.pp - 1:
+        out.append(RankTensor("decoder.final_layernorm.weight", (_whole("model.norm.weight", dims.hidden),)))
+        if not dims.tie_embeddings:
+            out.append(RankTensor("output_layer.weight", (_split("lm_head.weight", dims.vocab, T, tp, 0),)))
+    return out
+
+
+def _gated_mlp(mc: str, hf: str, inner: int, T: int, tp: int) -> list[RankTensor]:
+    return [
+        RankTensor(f"{mc}.linear_fc1.weight", (_split(f"{hf}.gate_proj.weight", inner, T, tp, 0),
+                                               _split(f"{hf}.up_proj.weight", inner, T, tp, 0))),
+        RankTensor(f"{mc}.linear_fc2.weight", (_split(f"{hf}.down_proj.weight", inner, T, tp, 1),)),
+    ]
+
+
+def _grouped_experts(dims: Dims, layout: Layout, mc: str, hf: str, tp: int, ep: int) -> list[RankTensor]:
+    F = dims.moe_intermediate
+    if layout.tp_extend_ep:
+        per_rank = dims.experts // (layout.ep * layout.tp)
+        first, f_parts, f_index = (ep * layout.tp + tp) * per_rank, 1, 0
+    else:
+        per_rank = dims.experts // layout.ep
+        first, f_parts, f_index = ep * per_rank, layout.tp, tp
+    w1, w2 = [], []
+    for e in range(first, first + per_rank):
+        w1 += [_split(f"{hf}.{e}.gate_proj.weight", F, f_parts, f_index, 0, transpose=True),
+               _split(f"{hf}.{e}.up_proj.weight", F, f_parts, f_index, 0, transpose=True)]
+        w2.append(_split(f"{hf}.{e}.down_proj.weight", F, f_parts, f_index, 1, transpose=True))
+    return [RankTensor(f"{mc}.weight1", tuple(w1), cat_dim=1), RankTensor(f"{mc}.weight2", tuple(w2), cat_dim=0)]
+
+
+# ---------------------------------------------------------------- reading pieces
+
+
+def read_piece(reader: ShardedReader, piece: Piece) -> torch.Tensor:
+    """Only the bytes of the slice are read (safetensors slices are lazy)."""
+    view = reader._handle(reader.shard_of(piece.hf)).get_slice(piece.hf)
+    index = (slice(piece.start, piece.stop),) if piece.dim == 0 else (slice(None), slice(piece.start, piece.stop))
+    tensor = view[index]
+    return tensor.t() if piece.transpose else tensor
+
+
+def build_tensor(reader: ShardedReader, spec: RankTensor) -> torch.Tensor:
+    parts = [read_piece(reader, p) for p in spec.pieces]
+    return torch.cat(parts, dim=spec.cat_dim) if len(parts) > 1 else parts[0].contiguous().clone()
+
+
+def piece_shape(piece: Piece, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    shape = list(hf_shape)
+    shape[piece.dim] = piece.stop - piece.start
+    return tuple(reversed(shape)) if piece.transpose else tuple(shape)
+
+
+def piece_regions(spec: RankTensor, tensor: torch.Tensor, shapes: dict[str, tuple[int, ...]]):
+    """(piece, the region of `tensor` that came from it, in the HF tensor's orientation)."""
+    offset = 0
+    for piece in spec.pieces:
+        extent = piece_shape(piece, shapes[piece.hf])[spec.cat_dim]
+        region = tensor.narrow(spec.cat_dim, offset, extent)
+        offset += extent
+        yield piece, (region.t() if piece.transpose else region)
+
+
+def hf_region(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return tensor.narrow(piece.dim, piece.start, piece.stop - piece.start)
+
+
+# ---------------------------------------------------------------- hf -> legacy
+
+
+def header(dims_config: dict, layout: Layout, reader: ShardedReader) -> dict:
+    """What a destination was made from; a resumed run must match it exactly."""
+    import hashlib
+    import json
+
+    weight_map = json.dumps(reader.weight_map, sort_keys=True).encode()
+    return {"format": "legacy", "layout": asdict(layout),
+            "config_sha256": hashlib.sha256(json.dumps(dims_config, sort_keys=True).encode()).hexdigest(),
+            "weight_map_sha256": hashlib.sha256(weight_map).hexdigest()}
+
+
+def _check_source(reader: ShardedReader, config: dict, dims: Dims) -> list[str]:
+    """Refuse FP8 input; return the HF tensors the model does not use (reported, not converted)."""
+    if config.get("quantization_config") or any(n.endswith("_scale_inv") for n in reader.names()):
+        raise CheckpointError(f"{reader.dir} is an FP8 checkpoint (quantization_config / *_scale_inv):"
+                              " convert it with `python -m tools.weights fp8-to-bf16` first")
+    expected = hf_tensors(dims)
+    for name, (shape, _) in expected.items():
+        got = reader.shape(name)
+        if got != shape:
+            raise CheckpointError(f"{reader.dir}: tensor {name} has shape {list(got)},"
+                                  f" config.json implies {list(shape)}")
+    return sorted(set(reader.names()) - set(expected))
+
+
+def _file_bytes(specs: list[RankTensor], shapes: dict, itemsize: int = 2) -> int:
+    total = 0
+    for spec in specs:
+        for piece in spec.pieces:
+            n = 1
+            for d in piece_shape(piece, shapes[piece.hf]):
+                n *= d
+            total += n * itemsize
+    return total
+
+
+def hf_to_legacy(src: Path, dst: Path, layout_args: dict, *, resume: bool = False, workers: int = 2,
+                 max_memory_gb: float = 16.0, say=print) -> Manifest:
+    config = load_config(src)
+    dims = dims_from_config(config, str(src / "config.json"))
+    layout = make_layout(dims, **layout_args)
+    reader = ShardedReader(src)
+    unused = _check_source(reader, config, dims)
+    if unused:
+        say(f"not part of the model, left out: {len(unused)} tensors ({', '.join(unused[:3])}...)")
+    manifest = Manifest.resume(dst, header(config, layout, reader), resume)
+    shapes = {name: shape for name, (shape, _) in hf_tensors(dims).items()}
+    files = plan(dims, layout)
+    sizes = {rel: _file_bytes(specs, shapes) for rel, specs in files.items()}
+    budget = int(max_memory_gb * 2**30)
+    biggest = max(sizes, key=sizes.get)
+    if sizes[biggest] > budget:
+        raise CheckpointError(f"--max-memory {max_memory_gb} GB is below the largest rank file {biggest}"
+                              f" ({sizes[biggest] / 2**30:.2f} GB); raise it")
+    todo = [rel for rel in files if not manifest.done(rel)]
+    say(f"{len(files)} rank files, {len(files) - len(todo)} already done;"
+        f" {sum(sizes[r] for r in todo) / 2**30:.2f} GB to write")
+    tick = progress(sum(sizes[r] for r in todo), "hf-to-mcore")
+    memory = _Budget(budget)
+    lock = threading.Lock()
+
+    def write(rel: str) -> None:
+        with memory.hold(sizes[rel]):
+            own = reader.fresh()  # its mapped pages go away with it
+            state = {spec.name: build_tensor(own, spec) for spec in files[rel]}
+            own.close()
+            with atomic_write(dst / rel) as tmp, open(tmp, "wb") as raw:
+                out = HashingWriter(raw)  # hashed as written: no second read of the file
+                torch.save({"model": state, "checkpoint_version": 3.0, "iteration": ITERATION}, out)
+            digest = out.sha.hexdigest()
+        with lock:
+            manifest.record(rel, digest)
+        if tick:
+            tick(sizes[rel])
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = [pool.submit(write, rel) for rel in todo]
+        try:
+            for future in as_completed(futures):
+                future.result()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # stop at the first failure; finished files stay recorded
+            raise
+    if not manifest.done(LATEST):
+        with atomic_write(dst / LATEST) as tmp:
+            tmp.write_text(f"{ITERATION}")
+        manifest.record(LATEST)
+    say(f"wrote {dst} ({len(files)} rank files, manifest.json)")
+    return manifest
+
+
+class _Budget:
+    """Bytes of rank files being built at once stay under the --max-memory budget."""
+
+    def __init__(self, limit: int):
+        self.free = limit
+        self.cond = threading.Condition()
+
+    def hold(self, size: int):
+        budget = self
+
+        class _Held:
+            def __enter__(self):
+                with budget.cond:
+                    budget.cond.wait_for(lambda: budget.free >= size)
+                    budget.free -= size
+
+            def __exit__(self, *exc):
+                with budget.cond:
+                    budget.free += size
+                    budget.cond.notify_all()
+
+        return _Held()
+
+
+# ---------------------------------------------------------------- legacy -> hf, verify
+
+
+def _converted(directory: Path) -> tuple[Layout, dict]:
+    import json
+
+    manifest = directory / "manifest.json"
+    if not manifest.is_file():
+        raise CheckpointError(f"{directory}: no manifest.json; is it a directory written by hf-to-mcore?")
+    head = json.loads(manifest.read_text())["header"]
+    lay = head["layout"]
+    return Layout(lay["tp"], lay["pp"], lay["ep"], tuple(lay["layers_per_stage"]), lay["tp_extend_ep"]), head
+
+
+def _load_rank(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"rank file {path} is missing")
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def legacy_to_hf(converted: Path, config_dir: Path, dst: Path, say=print) -> None:
+    """Reassemble HF tensors from rank files, one pipeline stage at a time; one shard per stage."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = load_config(config_dir)
+    dims = dims_from_config(config)
+    layout, _ = _converted(converted)
+    shapes = {name: shape for name, (shape, _) in hf_tensors(dims).items()}
+    files = plan(dims, layout)
+    dst.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for stage in range(layout.pp):
+        tensors: dict[str, torch.Tensor] = {}
+        for t, p, e in layout.ranks():
+            if p != stage:
+                continue
+            rel = layout.file(t, p, e)
+            state = _load_rank(converted / rel)
+            for spec in files[rel]:
+                for piece, region in piece_regions(spec, state[spec.name], shapes):
+                    if piece.hf not in tensors:
+                        tensors[piece.hf] = torch.empty(shapes[piece.hf], dtype=region.dtype)
+                    hf_region(tensors[piece.hf], piece).copy_(region)
+        shard = f"model-{stage + 1:05d}-of-{layout.pp:05d}.safetensors"
+        with atomic_write(dst / shard) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+        say(f"stage {stage}: {len(tensors)} tensors -> {shard}")
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                 indent=2) + "\n")
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def verify(src: Path, converted: Path, sample: int | None = None, seed: int = 0, say=print) -> list[str]:
+    """Compare every rank file region with its HF source, bit-exact; returns mismatches (empty = ok)."""
+    config = load_config(src)
+    dims = dims_from_config(config)
+    layout, _ = _converted(converted)
+    reader = ShardedReader(src)
+    shapes = {name: shape for name, (shape, _) in hf_tensors(dims).items()}
+    chosen = set(shapes)
+    if sample is not None and sample < len(shapes):
+        chosen = set(random.Random(seed).sample(sorted(shapes), sample))
+    mismatches, checked = [], set()
+    for rel, specs in plan(dims, layout).items():
+        state = None
+        for spec in specs:
+            if not any(p.hf in chosen for p in spec.pieces):
+                continue
+            state = state if state is not None else _load_rank(converted / rel)
+            if spec.name not in state:
+                mismatches.append(f"{rel}: {spec.name} is missing")
+                continue
+            for piece, region in piece_regions(spec, state[spec.name], shapes):
+                if piece.hf not in chosen:
+                    continue
+                source = read_piece(reader, Piece(piece.hf, piece.dim, piece.start, piece.stop))
+                if region.dtype != source.dtype or not torch.equal(region, source):
+                    mismatches.append(f"{rel}: {spec.name} differs from {piece.hf}"
+                                      f"[{piece.start}:{piece.stop} on dim {piece.dim}]")
+                checked.add(piece.hf)
+    say(f"verified {len(checked)} HF tensors against {len(plan(dims, layout))} rank files:"
+        f" {len(mismatches)} mismatches" + (f"; first: {mismatches[0]}" if mismatches else ""))
+    return mismatches
+
+
+# ---------------------------------------------------------------- commands
+
+
+def register(sub) -> None:
+    p = sub.add_parser("hf-to-mcore", help="HF DeepSeek-V3 (bf16) -> Megatron per-rank checkpoint files",
+                       description="Write the per-rank files MindSpeed-LLM loads:"
+                       " DIR/iter_0000001/mp_rank_{tp:02d}_{pp:03d}[_{ep:03d}]/model_optim_rng.pt and"
+                       " latest_checkpointed_iteration.txt, with manifest.json (sha256 per file)."
+                       " Every size comes from config.json.")
+    p.add_argument("--src", type=Path, required=True, help="HF checkpoint directory (bf16; see fp8-to-bf16)")
+    p.add_argument("--dst", type=Path, required=True, help="output directory (empty, or --resume)")
+    p.add_argument("--format", choices=("legacy",), default="legacy",
+                   help="legacy: per-rank files (torch_dist is not implemented yet)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--num-layer-list", help="layers per pipeline stage, e.g. 7,7,8,8,8,8,8,7")
+    p.add_argument("--moe-tp-extend-ep", action="store_true",
+                   help="cut the experts into EP*TP groups instead of splitting each expert over TP")
+    p.add_argument("--workers", type=int, default=2, help="rank files built and written at once")
+    p.add_argument("--max-memory", type=float, default=16.0, metavar="GB",
+                   help="bound on the bytes of rank files being built at once")
+    p.add_argument("--resume", action="store_true", help="continue a previous run in --dst")
+    p.add_argument("--dry-run", action="store_true", help="check the layout and print the rank files")
+    p.set_defaults(func=run_hf_to_mcore)
+
+    p = sub.add_parser("mcore-to-hf", help="rank files -> HF safetensors (the inverse of hf-to-mcore)")
+    p.add_argument("--src", type=Path, required=True, help="directory written by hf-to-mcore")
+    p.add_argument("--config", type=Path, required=True, help="directory holding the HF config.json")
+    p.add_argument("--dst", type=Path, required=True)
+    p.set_defaults(func=lambda a: legacy_to_hf(a.src, a.config, a.dst) or 0)
+
+    p = sub.add_parser("verify", help="compare converted rank files with the HF source, bit-exact")
+    p.add_argument("--src", type=Path, required=True, help="the HF checkpoint that was converted")
+    p.add_argument("--converted", type=Path, required=True, help="directory written by hf-to-mcore")
+    p.add_argument("--sample", type=int, help="check N randomly chosen HF tensors instead of all")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=lambda a: 1 if verify(a.src, a.converted, a.sample, a.seed) else 0)
+
+
+def layout_args(args: argparse.Namespace) -> dict:
+    layers = None
+    if args.num_layer_list:
+        try:
+            layers = [int(x) for x in args.num_layer_list.split(",")]
+        except ValueError:
+            raise ConfigError(f"--num-layer-list {args.num_layer_list!r}: integers separated by commas") from None
+    return {"tp": args.tp, "pp": args.pp, "ep": args.ep, "layer_list": layers, "tp_extend_ep": args.moe_tp_extend_ep}
+
+
+def run_hf_to_mcore(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        dims = dims_from_config(load_config(args.src))
+        layout = make_layout(dims, **layout_args(args))
+        for rel, specs in plan(dims, layout).items():
+            print(f"{rel}: {len(specs)} tensors")
+        return 0
+    hf_to_legacy(args.src, args.dst, layout_args(args), resume=args.resume, workers=args.workers,
+                 max_memory_gb=args.max_memory)
+    return 0
