@@ -1,0 +1,136 @@
+"""Head/worker logic on a real local Ray cluster (ray.cluster_utils.Cluster): three fake nodes with NPU=2.
+
+One module-scoped cluster (Ray start-up takes seconds here); its head runs the dashboard so the job goes
+through the Ray Jobs API exactly as the real head submits the trainer. Everything binds to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from tests.launch.conftest import CONFIGS  # noqa: E402
+from tools.launch import cluster, config, env, run  # noqa: E402
+
+NODE = {"num_cpus": 1, "resources": {"NPU": 2}, "object_store_memory": 80 * 2**20}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    dash = _free_port()
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "node_ip_address": "127.0.0.1",
+                                                      "include_dashboard": True, "dashboard_host": "127.0.0.1",
+                                                      "dashboard_port": dash})
+    for _ in range(2):
+        c.add_node(**NODE, node_ip_address="127.0.0.1")
+    c.wait_for_nodes()
+    yield c, f"http://127.0.0.1:{dash}"
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def test_wait_succeeds_when_all_nodes_joined(three_nodes):
+    c, _ = three_nodes
+    msg = cluster.wait_for_nodes(c.address, 3, "NPU", 2, timeout_s=30, say=lambda _: None)
+    assert msg == "3 of 3 nodes joined"
+    assert not ray.is_initialized(), "the wait leaves no driver connected"
+
+
+def test_wait_times_out_naming_what_is_missing(three_nodes):
+    c, _ = three_nodes
+    start = time.monotonic()
+    with pytest.raises(cluster.ClusterError) as exc:
+        cluster.wait_for_nodes(c.address, 4, "NPU", 2, timeout_s=1.5, poll_s=0.5, say=lambda _: None,
+                               expected_hosts=("127.0.0.1", "10.9.9.9"))
+    text = str(exc.value)
+    assert "3 of 4 nodes joined with NPU >= 2" in text and "missing 1 node(s): 10.9.9.9" in text
+    assert time.monotonic() - start < 15
+    with pytest.raises(cluster.ClusterError, match="too few devices on"):
+        cluster.wait_for_nodes(c.address, 3, "NPU", 4, timeout_s=0.5, poll_s=0.5, say=lambda _: None)
+
+
+def test_dummy_job_runs_through_the_jobs_api_and_its_log_is_collected(three_nodes, tmp_path):
+    _, dashboard = three_nodes
+    script = tmp_path / "trainer.py"
+    script.write_text("import os, ray\nray.init()\n"
+                      "print('dummy trainer on', len(ray.nodes()), 'nodes, NPU', ray.cluster_resources()['NPU'])\n"
+                      "print('env', os.environ['RECIPE_MARK'])\n")
+    lines: list[str] = []
+    status = cluster.run_job(dashboard, f"{sys.executable} {script}", "dummy-ok", {"RECIPE_MARK": "a3"},
+                             tmp_path / "trainer.log", echo=lines.append, timeout_s=90)
+    log = (tmp_path / "trainer.log").read_text()
+    assert status == "SUCCEEDED", log
+    assert "dummy trainer on 3 nodes, NPU 6.0" in log and "env a3" in log
+    assert any("dummy trainer" in line for line in lines)
+    failing = cluster.run_job(dashboard, f"{sys.executable} -c 'raise SystemExit(3)'", "dummy-fail", {},
+                              tmp_path / "fail.log", echo=None, timeout_s=90)
+    assert failing == "FAILED"
+
+
+def test_head_runs_the_job_end_to_end_and_stops_only_its_own_ray(three_nodes, tmp_path):
+    """run_head as the real run does it (ray start --head --block from the plan, wait, Jobs API, stop), with a
+    dummy entrypoint in place of verl's trainer. The module's cluster, which it did not start, stays up."""
+    c, _ = three_nodes
+    port, dash, agent, metrics = (_free_port() for _ in range(4))
+    # a second Ray on this machine: its agent and metrics need ports of their own
+    extra = f"[--dashboard-agent-listen-port={agent},--metrics-export-port={metrics}]"
+    recipe = config.load(CONFIGS / "cpu-tiny.yaml", ["launch.accelerator=a3", f"launch.ray.port={port}",
+                                                    f"launch.ray.dashboard_port={dash}", "launch.ray.join_timeout_s=60",
+                                                    f"launch.ray.extra_start_args={extra}"])
+    facts = env.NodeFacts("127.0.0.1", "lo", "127.0.0.1", True, None)
+    prepared = run.prepare(recipe, facts, "dummy-run", tmp_path / "logs",
+                           ray_bin=str(Path(sys.executable).with_name("ray")), device_gb=64.0)
+    script = tmp_path / "trainer.py"
+    script.write_text("import ray\nray.init()\nprint('trainer saw NPU', ray.cluster_resources().get('NPU'))\n")
+    prepared.plan = replace(prepared.plan, trainer_command=(sys.executable, str(script)))
+    said: list[str] = []
+    assert run.run_head(prepared, say=said.append) == run.EXIT_OK, "\n".join(said)
+    log = (prepared.plan.run_dir / "trainer.log").read_text()
+    assert "trainer saw NPU 2.0" in log
+    assert "job dummy-run: SUCCEEDED" in said and "1 of 1 nodes joined" in said
+    assert not cluster.port_open("127.0.0.1", port), "the head's Ray is stopped"
+    assert len(_alive(c)) == 3 and all(n.remaining_processes_alive() for n in c.list_all_nodes())
+
+
+def _alive(c) -> list:
+    ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
+    try:
+        return [n for n in ray.nodes() if n["Alive"]]
+    finally:
+        ray.shutdown()
+
+
+def test_join_retries_with_backoff_then_names_the_head():
+    port = _free_port()
+    slept: list[float] = []
+    with pytest.raises(cluster.ClusterError, match=f"127.0.0.1:{port} did not answer after 4 attempts"):
+        cluster.wait_for_port("127.0.0.1", port, attempts=4, backoff_s=1, max_backoff_s=3, sleep=slept.append,
+                              say=lambda _: None)
+    assert slept == [1, 2, 3]
+
+
+def test_worker_leaves_when_the_head_stops_answering():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    threading.Timer(0.5, server.close).start()
+    start = time.monotonic()
+    why = cluster.watch_head("127.0.0.1", port, poll_s=0.2, misses=2)
+    assert "stopped answering" in why and time.monotonic() - start < 10

@@ -1,0 +1,150 @@
+"""Preflight arithmetic: both A3 profiles pass; each broken variant fails with the field it names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.launch.conftest import CONFIGS, LEGACY_LAYOUT, write_manifest
+from tools.launch import config, inputs, layout, memory, preflight
+
+
+def checks_for(name: str, *overrides: str, device_gb: float = 64.0) -> list[preflight.Check]:
+    recipe = config.load(CONFIGS / f"{name}.yaml", list(overrides))
+    dims = memory.Dims.from_hf(config.model_dims(recipe)[0])
+    checks, _ = preflight.run(layout.from_config(recipe.cfg), dims, device_gb)
+    return checks
+
+
+@pytest.mark.parametrize("name", ["a3-128-true-weight", "a3-128-random-init"])
+def test_a3_profiles_pass(name):
+    checks = checks_for(name)
+    assert len(checks) >= 30
+    assert [c.message() for c in checks if not c.ok] == []
+    table = preflight.render(checks)
+    assert table.splitlines()[0].split() == ["check", "value", "rule", "ok"]
+    assert "256 % (4 x 8)" in table and "64 x TP2 x 2 = 256 vs 256" in table or "128 x TP2 x 1" in table
+
+
+A = "actor_rollout_ref.actor."
+AM = A + "megatron."
+R = "actor_rollout_ref.rollout."
+BROKEN = [
+    # (overrides, field named in the failure, a fragment of the numbers shown)
+    ([AM + "pipeline_model_parallel_size=6", AM + "num_layer_list=[10,10,10,10,11,10]"],
+     AM + "pipeline_model_parallel_size", "256 % (4 x 6)"),
+    ([AM + "tensor_model_parallel_size=3"], AM + "tensor_model_parallel_size", "128 % 3"),
+    ([AM + "expert_model_parallel_size=16", AM + "tensor_model_parallel_size=32", AM + "pipeline_model_parallel_size=1",
+      AM + "num_layer_list=[61]"], AM + "expert_model_parallel_size", "256 % 512"),
+    ([AM + "expert_model_parallel_size=16"], AM + "expert_model_parallel_size", "DP*TP = 32 % (EP*ETP = 64)"),
+    ([AM + "expert_tensor_parallel_size=4"], AM + "expert_tensor_parallel_size", "etp=4"),
+    ([AM + "num_layer_list=[8,8,8,8,8,8,13]"], AM + "num_layer_list", "= 7 vs PP 8"),
+    ([AM + "num_layer_list=[8,8,8,8,8,8,8,8]"], AM + "num_layer_list", "sum = 64 vs 61"),
+    ([AM + "override_transformer_config.recompute_num_layers=9"],
+     AM + "override_transformer_config.recompute_num_layers", "9 vs largest stage 8"),
+    ([AM + "optimizer_offload=true"], AM + "swap_optimizer", "optimizer_offload=True"),
+    (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=8"],
+     "actor_rollout_ref.ref.megatron.tensor_model_parallel_size", "ref TP8"),
+    (["recipe.rollout.data_parallel_size=32"], "recipe.rollout.data_parallel_size", "32 x TP2 x 2 = 128"),
+    ([R + "tensor_model_parallel_size=3"], R + "tensor_model_parallel_size", "128 % 3"),
+    (["recipe.rollout.expert_parallel_size=64"], "recipe.rollout.expert_parallel_size", "64 vs DP*TP = 128"),
+    (["recipe.rollout.data_parallel_size=48", "recipe.rollout.instances=1", R + "tensor_model_parallel_size=2",
+      "recipe.rollout.expert_parallel_size=96"], "recipe.rollout.expert_parallel_size", "256 % 96"),
+    (["recipe.rollout.data_parallel_size=8", "recipe.rollout.instances=16", "recipe.rollout.expert_parallel_size=16"],
+     "recipe.rollout.expert_parallel_size", "16 % (EP*TP = 32)"),
+    (["data.max_response_length=200000"], "data.max_response_length", "vs 163840"),
+    ([R + "enable_chunked_prefill=false"], R + "max_num_batched_tokens", "chunked_prefill=False"),
+    ([R + "max_num_seqs=32"], R + "max_num_seqs", "32 vs 8192 / 128 engines = 64"),
+    ([R + "gpu_memory_utilization=1.2"], R + "gpu_memory_utilization", "1.2"),
+    ([R + "free_cache_engine=true"], R + "free_cache_engine", "free_cache_engine=True"),
+    (["data.train_batch_size=500", A + "ppo_mini_batch_size=500"], "data.train_batch_size", "8000 % 128 engines"),
+    ([A + "ppo_mini_batch_size=256"], A + "ppo_mini_batch_size", "mini 256 vs batch 512"),
+    ([A + "ppo_micro_batch_size_per_gpu=3"], A + "ppo_micro_batch_size_per_gpu", "= 1024 % 3"),
+    ([A + "ppo_epochs=2"], A + "ppo_mini_batch_size", "epochs 2"),
+    ([R + "n=1"], R + "n", "n=1"),
+    (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward", "use_kl_in_reward=True"),
+    (["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=7"],
+     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "1024 per DP rank % 7"),
+    (["trainer.nnodes=8"], "trainer.nnodes", "8 vs launch.nodes 16"),
+    ([AM + "swap_optimizer=false", AM + "override_transformer_config.recompute_granularity=selective"],
+     AM + "pipeline_model_parallel_size", "GB (stage"),
+    ([AM + "swap_optimizer=false"], R + "gpu_memory_utilization", "GB resident"),
+    ([R + "gpu_memory_utilization=0.99"], R + "gpu_memory_utilization", "GB resident"),
+    ([R + "gpu_memory_utilization=0.5"], R + "gpu_memory_utilization", "needs 18.4 GB"),
+]
+
+
+@pytest.mark.parametrize("overrides,field,fragment", BROKEN, ids=[b[1].split(".")[-1] + f"-{i}"
+                                                                  for i, b in enumerate(BROKEN)])
+def test_broken_variant_fails_naming_the_field(overrides, field, fragment):
+    failed = [c for c in checks_for("a3-128-true-weight", *overrides) if not c.ok]
+    assert failed, f"{overrides} passed preflight"
+    named = [c for c in failed if c.field == field]
+    assert named, f"{overrides}: failures name {[c.field for c in failed]}, not {field}"
+    assert any(fragment in c.value for c in named), [c.value for c in named]
+    assert named[0].message().startswith(field + ":")
+
+
+def test_memory_estimate_of_the_true_weight_profile():
+    recipe = config.load(CONFIGS / "a3-128-true-weight.yaml")
+    dims = memory.Dims.from_hf(config.model_dims(recipe)[0])
+    assert dims.total_params() / 1e9 == pytest.approx(671.0, abs=0.1)  # DeepSeek-V3 without MTP
+    est = memory.estimate(layout.from_config(recipe.cfg), dims, 64.0)
+    assert est.update["actor params (bf16)"] == pytest.approx(6.59, abs=0.01)  # a stage of 8 MoE layers
+    assert est.vllm["kv cache needed"] == pytest.approx(64 * 4096 * 61 * 576 * 2 / 1e9)
+    no_recompute = memory.estimate(layout.from_config(config.load(
+        CONFIGS / "a3-128-random-init.yaml").cfg), dims, 64.0)
+    assert no_recompute.update["activations (1F1B in flight)"] > 10 * est.update["activations (1F1B in flight)"]
+
+
+def test_model_dims_come_from_config_json_when_the_model_has_one(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**_dsv3(), "num_hidden_layers": 60}))
+    failed = [c for c in checks_for("a3-128-true-weight", f"actor_rollout_ref.model.path={tmp_path}") if not c.ok]
+    assert [c.field for c in failed] == [AM + "num_layer_list"]  # 61-layer list, 60-layer model
+
+
+def _dsv3() -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(CONFIGS.parent / "model" / "deepseek-v3.yaml"))
+
+
+def _lay(*overrides):
+    return layout.from_config(config.load(CONFIGS / "a3-128-true-weight.yaml", list(overrides)).cfg)
+
+
+def test_weights_check_wants_a_finished_conversion_of_this_layout(tmp_path):
+    lay = _lay()
+    missing = inputs.weights_check(tmp_path / "nothing", lay)
+    assert not missing.ok and "not converted" in missing.fix and "--moe-tp-extend-ep" in missing.fix
+    good = inputs.weights_check(write_manifest(tmp_path / "good", LEGACY_LAYOUT), lay)
+    assert good.ok, good.fix
+    other = write_manifest(tmp_path / "other", {**LEGACY_LAYOUT, "ep": 16})
+    bad = inputs.weights_check(other, lay)
+    assert not bad.ok and "ep is 16, the config needs 8" in bad.fix
+    unfinished = inputs.weights_check(write_manifest(tmp_path / "half", LEGACY_LAYOUT, finished=False), lay)
+    assert not unfinished.ok and "--resume" in unfinished.fix
+
+
+def test_required_paths_are_named_with_how_to_set_them(tmp_path):
+    recipe = config.load(CONFIGS / "a3-128-true-weight.yaml")
+    failed = [c for c in inputs.input_checks(recipe.cfg, layout.from_config(recipe.cfg)) if not c.ok]
+    assert {c.field for c in failed} == {"actor_rollout_ref.model.path", "data.train_files", "data.val_files",
+                                         "recipe.weights.mcore_checkpoint"}
+    assert any("tools.weights hf-to-mcore" in c.fix for c in failed)
+
+
+def test_unknown_verl_key_is_refused():
+    recipe = config.load(CONFIGS / "a3-128-true-weight.yaml", [R + "gpu_mem_utilization=0.5",
+                                                               AM + "anything_the_forks_add=1"])
+    assert config.unknown_keys(recipe.cfg, config.verl_base()) == [R + "gpu_mem_utilization"]
+
+
+def test_bad_override_and_missing_launch_block_are_named(tmp_path):
+    with pytest.raises(config.ConfigError, match="not key=value"):
+        config.load(CONFIGS / "cpu-tiny.yaml", ["data.train_batch_size"])
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("data: {train_batch_size: 8}\n")
+    with pytest.raises(config.ConfigError, match="launch.nodes is not set"):
+        config.load(bare)

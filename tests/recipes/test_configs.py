@@ -1,0 +1,129 @@
+"""Every config under recipes/ loads, has only verl's keys (plus launch/recipe/megatron extensions), passes
+preflight and dry-runs through the real CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.launch.conftest import LEGACY_LAYOUT, write_manifest
+from tools.launch import cli, config, env, run
+
+ROOT = Path(__file__).resolve().parents[2]
+ALL_CONFIGS = sorted(ROOT.glob("recipes/*/configs/*.yaml"))
+FACTS = env.NodeFacts("10.0.0.1", "eth0", "10.0.0.1", True, "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+
+
+@pytest.fixture
+def paths(tmp_path) -> list[str]:
+    (tmp_path / "model").mkdir()
+    for name in ("train.parquet", "val.parquet"):
+        (tmp_path / name).write_bytes(b"")
+    ckpt = write_manifest(tmp_path / "ckpt", LEGACY_LAYOUT)
+    return [f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"data.train_files={tmp_path / 'train.parquet'}",
+            f"data.val_files={tmp_path / 'val.parquet'}", f"recipe.weights.mcore_checkpoint={ckpt}"]
+
+
+def test_there_are_configs():
+    names = {p.name for p in ALL_CONFIGS}
+    assert {"a3-128-true-weight.yaml", "a3-128-random-init.yaml", "cpu-tiny.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
+def test_config_loads_with_verl_keys_only(path):
+    recipe = config.load(path)
+    assert config.unknown_keys(recipe.cfg, config.verl_base()) == []
+    verl_cfg = config.verl_config(recipe.cfg, config.verl_base())
+    assert "launch" not in verl_cfg and verl_cfg.trainer.nnodes == recipe.cfg.launch.nodes
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
+def test_config_passes_preflight(path, paths, tmp_path):
+    prepared = run.prepare(config.load(path, paths), FACTS, "test", tmp_path / "logs", device_gb=None
+                           if "cpu" in path.stem else 64.0)
+    failed = [c.message() for c in prepared.checks + prepared.inputs if not c.ok]
+    assert not failed, "\n".join(failed)
+    assert prepared.ready
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
+def test_config_dry_runs(path, paths, tmp_path, capsys):
+    rc = cli.main([str(path), "--dry-run", "--master-addr", "127.0.0.1", "--run-id", "t",
+                   "--logs", str(tmp_path / "logs"), *paths])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "preflight:" in out and "node 0: head" in out and "verl.trainer.main_ppo" in out
+    assert not (tmp_path / "logs").exists(), "a dry run writes nothing"
+
+
+def test_a3_profiles_carry_the_reference_values():
+    for name, rollout_dp, instances in (("a3-128-true-weight", 64, 2), ("a3-128-random-init", 128, 1)):
+        cfg = config.load(ROOT / f"recipes/deepseek_r1/configs/{name}.yaml").cfg
+        v = lambda k, cfg=cfg: config.value(cfg, k)  # noqa: E731
+        assert (v("launch.nodes"), v("launch.devices_per_node")) == (16, 16)
+        assert v("algorithm.adv_estimator") == "grpo" and v("algorithm.use_kl_in_reward") is False
+        assert (v("data.train_batch_size"), v("actor_rollout_ref.rollout.n")) == (512, 16)
+        assert (v("data.max_prompt_length"), v("data.max_response_length")) == (1024, 3072)
+        m = "actor_rollout_ref.actor.megatron."
+        assert (v(m + "tensor_model_parallel_size"), v(m + "pipeline_model_parallel_size"),
+                v(m + "expert_model_parallel_size")) == (4, 8, 8)
+        assert v(m + "num_layer_list") == [7, 7, 8, 8, 8, 8, 8, 7]
+        assert v(m + "moe_tp_extend_ep") and v(m + "swap_optimizer") and not v(m + "optimizer_offload")
+        assert v("actor_rollout_ref.ref.megatron.num_layer_list") == [7, 7, 8, 8, 8, 8, 8, 7]
+        a = "actor_rollout_ref.actor."
+        assert (v(a + "optim.lr"), v(a + "optim.clip_grad"), v(a + "ppo_mini_batch_size"),
+                v(a + "ppo_micro_batch_size_per_gpu")) == (1e-6, 1.0, 512, 1)
+        assert (v(a + "use_kl_loss"), v(a + "kl_loss_type"), v(a + "kl_loss_coef")) == (True, "low_var_kl", 0.001)
+        r = "actor_rollout_ref.rollout."
+        assert (v(r + "tensor_model_parallel_size"), v(r + "gpu_memory_utilization"), v(r + "enforce_eager"),
+                v(r + "max_num_batched_tokens"), v(r + "enable_chunked_prefill")) == (2, 0.8, False, 1024, True)
+        assert (v(r + "temperature"), v(r + "top_k"), v(r + "top_p")) == (0.9, 50, 0.9)
+        assert v("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu") == 8
+        assert v(r + "log_prob_micro_batch_size_per_gpu") == 4
+        assert (v("recipe.rollout.data_parallel_size"), v("recipe.rollout.instances")) == (rollout_dp, instances)
+        assert v("trainer.logger") == ["console", "tensorboard"] and v("trainer.balance_batch") is False
+        assert (v("trainer.save_freq"), v("trainer.test_freq"), v("trainer.total_epochs")) == (-1, -1, 1)
+    true_cfg = config.load(ROOT / "recipes/deepseek_r1/configs/a3-128-true-weight.yaml").cfg
+    random_cfg = config.load(ROOT / "recipes/deepseek_r1/configs/a3-128-random-init.yaml").cfg
+    assert config.value(true_cfg, "actor_rollout_ref.actor.megatron.override_transformer_config") == {
+        "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 8}
+    assert config.value(random_cfg, "recipe.rollout.fix_router") is True
+    assert config.value(random_cfg, "actor_rollout_ref.rollout.ignore_eos") is True
+    assert config.value(random_cfg, "recipe.weights.load") is False
+
+
+def test_a3_env_profile_has_a_reason_for_every_variable():
+    text = (ROOT / "recipes/deepseek_r1/env/a3.yaml").read_text()
+    profile = env.load_profile(ROOT / "recipes/deepseek_r1", "a3")
+    for var in (*profile.variables, *profile.computed):
+        line = next(line for line in text.splitlines() if line.strip().startswith(f"{var}:"))
+        assert "#" in line, f"{var} has no comment saying why"
+    assert profile.variables["HCCL_CONNECT_TIMEOUT"] == profile.variables["HCCL_EXEC_TIMEOUT"] == "600"
+    assert profile.computed["LD_PRELOAD"] == "jemalloc"
+    assert {"HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"} <= set(profile.computed)
+    assert {"VLLM_ENABLE_MC2", "VLLM_ENABLE_FIX_ROUTE", "VLLM_ASCEND_ACL_OP_INIT_MODE"} <= set(profile.left_out)
+
+
+def test_bare_a3_dry_run_passes_preflight_and_lists_what_a_run_needs(tmp_path, capsys, monkeypatch):
+    """The acceptance command: no MASTER_ADDR, no paths: the layout checks pass, the inputs are listed."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    path = next(p for p in ALL_CONFIGS if p.stem == "a3-128-true-weight")
+    rc = cli.main([str(path), "--dry-run", "--run-id", "t", "--logs", str(tmp_path / "logs")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    import re
+
+    done = re.search(r"preflight: (\d+) of (\d+) checks ok", out)
+    assert done and done.group(1) == done.group(2)
+    assert "needed before a run: actor_rollout_ref.model.path" in out
+    assert "needed before a run: recipe.weights.mcore_checkpoint" in out
+    assert out.count("node ") >= 16 and "planned as if this node were the head" in out
+
+
+def test_a_run_with_missing_inputs_stops_before_starting_anything(tmp_path, capsys):
+    path = next(p for p in ALL_CONFIGS if p.stem == "a3-128-true-weight")
+    rc = cli.main([str(path), "--master-addr", "127.0.0.1", "--run-id", "t", "--logs", str(tmp_path / "logs")])
+    out = capsys.readouterr().out
+    assert rc == run.EXIT_CHECK and "error: data.train_files" in out
+    assert not (tmp_path / "logs").exists()

@@ -1,0 +1,5 @@
+import sys
+
+from tools.launch.cli import main
+
+sys.exit(main())

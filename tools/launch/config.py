@@ -1,0 +1,143 @@
+"""Recipe configs: load with overrides, check keys against verl's own config, build the verl config.
+
+A recipe config is a verl config (keys of verl's ppo_megatron_trainer.yaml) plus `launch:` (read here
+only) and `recipe:` (our forks' settings). Keys verl does not have are refused, except where our fork
+series adds settings: under the Megatron blocks and under `recipe:`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+ROOT = Path(__file__).resolve().parents[2]
+VERL_CONFIG = "verl/trainer/config/ppo_megatron_trainer.yaml"
+# Where a key may be new to verl: blocks our forks read (MindSpeed features, recompute, recipe settings).
+EXTENSION_PREFIXES = ("launch.", "recipe.", "actor_rollout_ref.actor.megatron.", "actor_rollout_ref.ref.megatron.")
+REQUIRED_LAUNCH = ("launch.nodes", "launch.devices_per_node", "launch.accelerator", "launch.env_profile",
+                   "launch.ray.port", "launch.ray.dashboard_port")
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A loaded config: the file it came from (relative paths in it are relative to it) and its content."""
+
+    path: Path
+    cfg: DictConfig
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """The config file with `key=value` overrides merged on top (OmegaConf dotlist syntax)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config {path} not found")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not key=value (e.g. data.train_batch_size=256)")
+    cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+    for key in REQUIRED_LAUNCH:
+        if OmegaConf.select(cfg, key, default=None) is None:
+            raise ConfigError(f"{path}: {key} is not set; every recipe config has a launch block"
+                              " (nodes, devices_per_node, accelerator, env_profile, ray.port, ray.dashboard_port)")
+    return Recipe(path.resolve(), cfg, tuple(overrides))
+
+
+def verl_base(root: Path = ROOT) -> DictConfig:
+    """verl's own Megatron trainer config: from our fork's tree, else from the installed verl."""
+    candidates = [root / "third_party" / "verl" / VERL_CONFIG]
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("verl")
+        if spec and spec.origin:
+            candidates.append(Path(spec.origin).parent.parent / VERL_CONFIG)
+    except (ImportError, ValueError):
+        pass
+    for path in candidates:
+        if path.is_file():
+            return OmegaConf.load(path)
+    raise ConfigError(f"verl's {VERL_CONFIG} not found (tried {', '.join(map(str, candidates))});"
+                      " run `python -m tools.forks sync verl`")
+
+
+def leaf_keys(node, prefix: str = "") -> list[str]:
+    """Dotted keys of every leaf (lists count as leaves)."""
+    if isinstance(node, DictConfig):
+        keys = []
+        for k in node.keys():
+            child = node._get_node(k)
+            sub = f"{prefix}{k}"
+            keys += leaf_keys(child, sub + ".") if isinstance(child, DictConfig) and len(child) else [sub]
+        return keys
+    return [prefix.rstrip(".")]
+
+
+def unknown_keys(cfg: DictConfig, base: DictConfig) -> list[str]:
+    """Keys of the recipe that verl's config does not have, outside the blocks our forks extend."""
+    out = []
+    for key in leaf_keys(cfg):
+        if key.startswith(EXTENSION_PREFIXES):
+            continue
+        if OmegaConf.select(base, key, default="<absent>") == "<absent>" and not _is_dict_in(base, key):
+            out.append(key)
+    return out
+
+
+def _is_dict_in(base: DictConfig, key: str) -> bool:
+    """An empty dict in the recipe (e.g. `model_config: {}`) is fine where verl has that block."""
+    parent, _, _ = key.rpartition(".")
+    node = OmegaConf.select(base, key, default=None) if parent else None
+    return isinstance(node, DictConfig)
+
+
+def missing_keys(cfg: DictConfig) -> list[str]:
+    """Required settings left as `???`."""
+    return sorted(OmegaConf.missing_keys(cfg))
+
+
+def value(cfg: DictConfig, key: str, default=None):
+    """A resolved value, `default` when absent or `???`."""
+    if key in OmegaConf.missing_keys(cfg):
+        return default
+    v = OmegaConf.select(cfg, key, default=default)
+    if isinstance(v, DictConfig | ListConfig):
+        return OmegaConf.to_container(v, resolve=True)
+    return v
+
+
+def verl_config(cfg: DictConfig, base: DictConfig) -> DictConfig:
+    """What verl's trainer gets: its own defaults, our config over them, resolved; `launch` dropped."""
+    merged = OmegaConf.merge(base, cfg)
+    container = OmegaConf.to_container(merged, resolve=True)
+    container.pop("launch", None)
+    return OmegaConf.create(container)
+
+
+def model_dims(recipe: Recipe) -> tuple[dict, str]:
+    """Architecture numbers: the HF config.json under model.path when there is one, else recipe.model_dims."""
+    cfg = recipe.cfg
+    model_path = value(cfg, "actor_rollout_ref.model.path")
+    if model_path:
+        hf = Path(str(model_path)).expanduser() / "config.json"
+        if hf.is_file():
+            return json.loads(hf.read_text()), str(hf)
+    rel = value(cfg, "recipe.model_dims")
+    if not rel:
+        raise ConfigError("recipe.model_dims is not set and actor_rollout_ref.model.path holds no config.json:"
+                          " set recipe.model_dims=../model/deepseek-v3.yaml (relative to the config)")
+    path = (recipe.path.parent / str(rel)).resolve()
+    if not path.is_file():
+        raise ConfigError(f"recipe.model_dims: {path} not found")
+    return OmegaConf.to_container(OmegaConf.load(path)), str(path)

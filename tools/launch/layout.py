@@ -1,0 +1,142 @@
+"""The numbers of a run, read once from a config into a plain dataclass (preflight, memory and the plan use it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from tools.launch.config import value
+
+A = "actor_rollout_ref.actor."
+AM = A + "megatron."
+RM = "actor_rollout_ref.ref.megatron."
+R = "actor_rollout_ref.rollout."
+RR = "recipe.rollout."
+
+# Device memory per die/GPU in GB (10^9 bytes) and the Ray resource that counts devices.
+DEVICE_MEMORY_GB = {"a3": 64.0, "h200": 141.0}
+RAY_RESOURCE = {"a3": "NPU", "h200": "GPU", "cpu": None}
+DIES_PER_CARD = {"a3": 2, "h200": 1, "cpu": 1}
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    devices_per_node: int
+    accelerator: str
+    # actor (Megatron)
+    tp: int
+    pp: int
+    ep: int
+    etp: int | None
+    extend_ep: bool
+    layer_list: tuple[int, ...] | None
+    sequence_parallel: bool
+    swap_optimizer: bool
+    optimizer_offload: bool
+    param_offload: bool
+    grad_offload: bool
+    recompute_granularity: str | None
+    recompute_method: str | None
+    recompute_num_layers: int | None
+    # ref (Megatron)
+    ref_tp: int
+    ref_pp: int
+    ref_ep: int
+    ref_layer_list: tuple[int, ...] | None
+    ref_param_offload: bool
+    # rollout (vLLM)
+    rollout_tp: int
+    rollout_dp: int
+    rollout_instances: int
+    rollout_ep: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+    max_model_len: int | None
+    enforce_eager: bool
+    free_cache_engine: bool
+    # batch
+    train_batch: int
+    n: int
+    mini_batch: int
+    micro_batch: int
+    ref_micro_batch: int | None
+    rollout_logprob_micro_batch: int | None
+    prompt_len: int
+    response_len: int
+    ppo_epochs: int
+    recompute_old_log_prob: bool
+    adv_estimator: str
+    use_kl_loss: bool
+    use_kl_in_reward: bool
+    trainer_nnodes: int
+    trainer_devices: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp) if self.tp * self.pp else 0
+
+    @property
+    def sequences(self) -> int:
+        return self.train_batch * self.n
+
+    @property
+    def engines(self) -> int:
+        return self.rollout_dp * self.rollout_instances
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def cards(self) -> int:
+        return self.world // DIES_PER_CARD.get(self.accelerator, 1)
+
+
+def _tuple(v) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in v) if v else None
+
+
+def from_config(cfg: DictConfig) -> Layout:
+    v = lambda key, default=None: value(cfg, key, default)  # noqa: E731
+    recompute = v(AM + "override_transformer_config", {}) or {}
+    return Layout(
+        nodes=int(v("launch.nodes")), devices_per_node=int(v("launch.devices_per_node")),
+        accelerator=str(v("launch.accelerator")),
+        tp=int(v(AM + "tensor_model_parallel_size", 1)), pp=int(v(AM + "pipeline_model_parallel_size", 1)),
+        ep=int(v(AM + "expert_model_parallel_size", 1)), etp=v(AM + "expert_tensor_parallel_size"),
+        extend_ep=bool(v(AM + "moe_tp_extend_ep", False)), layer_list=_tuple(v(AM + "num_layer_list")),
+        sequence_parallel=bool(v(AM + "sequence_parallel", False)),
+        swap_optimizer=bool(v(AM + "swap_optimizer", False)),
+        optimizer_offload=bool(v(AM + "optimizer_offload", False)),
+        param_offload=bool(v(AM + "param_offload", False)), grad_offload=bool(v(AM + "grad_offload", False)),
+        recompute_granularity=recompute.get("recompute_granularity"),
+        recompute_method=recompute.get("recompute_method"),
+        recompute_num_layers=recompute.get("recompute_num_layers"),
+        ref_tp=int(v(RM + "tensor_model_parallel_size", 1)), ref_pp=int(v(RM + "pipeline_model_parallel_size", 1)),
+        ref_ep=int(v(RM + "expert_model_parallel_size", 1)), ref_layer_list=_tuple(v(RM + "num_layer_list")),
+        ref_param_offload=bool(v(RM + "param_offload", False)),
+        rollout_tp=int(v(R + "tensor_model_parallel_size", 1)), rollout_dp=int(v(RR + "data_parallel_size", 1)),
+        rollout_instances=int(v(RR + "instances", 1)), rollout_ep=int(v(RR + "expert_parallel_size", 1)),
+        gpu_memory_utilization=float(v(R + "gpu_memory_utilization", 0.5)),
+        max_num_seqs=int(v(R + "max_num_seqs", 1024)),
+        max_num_batched_tokens=int(v(R + "max_num_batched_tokens", 8192)),
+        chunked_prefill=bool(v(R + "enable_chunked_prefill", False)), max_model_len=v(R + "max_model_len"),
+        enforce_eager=bool(v(R + "enforce_eager", True)), free_cache_engine=bool(v(R + "free_cache_engine", True)),
+        train_batch=int(v("data.train_batch_size")), n=int(v(R + "n", 1)),
+        mini_batch=int(v(A + "ppo_mini_batch_size")), micro_batch=int(v(A + "ppo_micro_batch_size_per_gpu") or 1),
+        ref_micro_batch=v("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+        rollout_logprob_micro_batch=v(R + "log_prob_micro_batch_size_per_gpu"),
+        prompt_len=int(v("data.max_prompt_length")), response_len=int(v("data.max_response_length")),
+        ppo_epochs=int(v(A + "ppo_epochs", 1)), recompute_old_log_prob=bool(v("recipe.recompute_old_log_prob", True)),
+        adv_estimator=str(v("algorithm.adv_estimator", "gae")), use_kl_loss=bool(v(A + "use_kl_loss", False)),
+        use_kl_in_reward=bool(v("algorithm.use_kl_in_reward", False)),
+        trainer_nnodes=int(v("trainer.nnodes", 1)), trainer_devices=int(v("trainer.n_gpus_per_node", 1)),
+    )

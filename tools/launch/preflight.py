@@ -1,0 +1,233 @@
+"""Preflight: layout, batch and memory arithmetic of a run, as pure functions over a Layout and the model dims.
+
+Every check returns the numbers it used, so the printed table (check, value, rule, ok) shows why it passed or
+which field to change. Tests call these functions directly; `python -m tools.launch ... --dry-run` prints them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tools.launch.layout import AM, RM, RR, Layout, R
+from tools.launch.memory import Dims, Estimate, estimate, experts_per_train_rank
+
+A = "actor_rollout_ref.actor."
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    field: str   # the config key to change when it fails
+    value: str   # the numbers used
+    rule: str
+    ok: bool
+    fix: str = ""
+
+    def message(self) -> str:
+        fix = f"; {self.fix}" if self.fix else ""
+        return f"{self.field}: {self.name} fails: {self.value} breaks `{self.rule}`{fix}"
+
+
+def _c(name, field, value, rule, ok, fix="") -> Check:
+    return Check(name, field, str(value), rule, bool(ok), fix)
+
+
+def _div(a: int, b: int) -> bool:
+    return b > 0 and a % b == 0
+
+
+def world_checks(lay: Layout) -> list[Check]:
+    return [
+        _c("world size", "launch.nodes", f"{lay.nodes} x {lay.devices_per_node} = {lay.world}",
+           "nodes x devices_per_node > 0", lay.world > 0),
+        _c("verl nodes", "trainer.nnodes", f"{lay.trainer_nnodes} vs launch.nodes {lay.nodes}",
+           "trainer.nnodes == launch.nodes", lay.trainer_nnodes == lay.nodes, "leave it as ${launch.nodes}"),
+        _c("verl devices per node", "trainer.n_gpus_per_node", f"{lay.trainer_devices} vs {lay.devices_per_node}",
+           "trainer.n_gpus_per_node == launch.devices_per_node", lay.trainer_devices == lay.devices_per_node,
+           "leave it as ${launch.devices_per_node}"),
+    ]
+
+
+def megatron_checks(lay: Layout, dims: Dims) -> list[Check]:
+    tp, pp, ep, world = lay.tp, lay.pp, lay.ep, lay.world
+    dp = lay.dp
+    ep_group = ep * tp if lay.extend_ep else ep
+    etp = 1 if lay.extend_ep else (lay.etp or tp)
+    layers = lay.layer_list
+    checks = [
+        _c("TP x PP divides world", AM + "pipeline_model_parallel_size", f"{world} % ({tp} x {pp})",
+           "world % (TP*PP) == 0", _div(world, tp * pp)),
+        _c("heads split by TP", AM + "tensor_model_parallel_size", f"{dims.heads} % {tp}", "heads % TP == 0",
+           _div(dims.heads, tp)),
+        _c("experts split by EP" + (" x TP (moe_tp_extend_ep)" if lay.extend_ep else ""),
+           AM + "expert_model_parallel_size", f"{dims.experts} % {ep_group}",
+           "experts % (EP*TP) == 0" if lay.extend_ep else "experts % EP == 0", _div(dims.experts, ep_group)),
+        _c("expert group fits a stage", AM + "expert_model_parallel_size",
+           f"DP*TP = {dp * tp} % (EP*ETP = {ep * tp if lay.extend_ep else ep * etp})",
+           "EP*TP divides DP*TP" if lay.extend_ep else "EP*ETP divides DP*TP",
+           _div(dp * tp, ep * (tp if lay.extend_ep else etp))),
+        _c("extend-EP has no expert TP", AM + "expert_tensor_parallel_size", f"etp={lay.etp}",
+           "moe_tp_extend_ep => expert_tensor_parallel_size null or 1", not lay.extend_ep or lay.etp in (None, 1)),
+    ]
+    if layers is not None:
+        checks += [
+            _c("layer list length", AM + "num_layer_list", f"len {list(layers)} = {len(layers)} vs PP {pp}",
+               "len(num_layer_list) == PP", len(layers) == pp),
+            _c("layer list sum", AM + "num_layer_list", f"sum = {sum(layers)} vs {dims.layers} layers",
+               "sum(num_layer_list) == num_hidden_layers", sum(layers) == dims.layers),
+        ]
+    else:
+        checks.append(_c("layers split by PP", AM + "pipeline_model_parallel_size", f"{dims.layers} % {pp}",
+                         "num_hidden_layers % PP == 0 (or set num_layer_list)", _div(dims.layers, pp)))
+    checks += [
+        _c("recompute layers", AM + "override_transformer_config.recompute_num_layers",
+           f"{lay.recompute_num_layers} vs largest stage {max(layers or [dims.layers // max(1, pp)])}",
+           "block recompute: num_layers <= layers per stage",
+           lay.recompute_method != "block" or (lay.recompute_num_layers or 0) <= max(layers or [dims.layers])),
+        _c("one optimizer placement", AM + "swap_optimizer",
+           f"swap_optimizer={lay.swap_optimizer}, optimizer_offload={lay.optimizer_offload}",
+           "not both swap_optimizer and optimizer_offload", not (lay.swap_optimizer and lay.optimizer_offload)),
+        _c("ref layout = actor layout", RM + "tensor_model_parallel_size",
+           f"ref TP{lay.ref_tp} PP{lay.ref_pp} EP{lay.ref_ep} vs actor TP{tp} PP{pp} EP{ep}",
+           "ref and actor share one layout (the batch stays in place from ref to update)",
+           (lay.ref_tp, lay.ref_pp, lay.ref_ep, lay.ref_layer_list) == (tp, pp, ep, layers)),
+    ]
+    return checks
+
+
+def rollout_checks(lay: Layout, dims: Dims) -> list[Check]:
+    tp, dp, inst, ep = lay.rollout_tp, lay.rollout_dp, lay.rollout_instances, lay.rollout_ep
+    train_group = lay.ep * lay.tp if lay.extend_ep else lay.ep
+    max_len = lay.max_model_len or dims.max_positions
+    return [
+        _c("rollout covers the world", RR + "data_parallel_size", f"{dp} x TP{tp} x {inst} = {dp * tp * inst}"
+           f" vs {lay.world}", "rollout DP * TP * instances == world", dp * tp * inst == lay.world),
+        _c("rollout heads split by TP", R + "tensor_model_parallel_size", f"{dims.heads} % {tp}", "heads % TP == 0",
+           _div(dims.heads, tp)),
+        _c("rollout EP spans an instance", RR + "expert_parallel_size", f"{ep} vs DP*TP = {dp * tp}",
+           "rollout EP == DP * TP", ep == dp * tp),
+        _c("rollout experts split by EP", RR + "expert_parallel_size", f"{dims.experts} % {ep}",
+           "experts % rollout EP == 0", _div(dims.experts, ep)),
+        _c("expert reshard train -> rollout", RR + "expert_parallel_size", f"{ep} % (EP*TP = {train_group})",
+           "rollout EP % train expert group == 0", _div(ep, train_group)),
+        _c("sequence fits the model", "data.max_response_length",
+           f"{lay.prompt_len} + {lay.response_len} = {lay.seq_len} vs {max_len}",
+           "prompt + response <= max_model_len", lay.seq_len <= max_len),
+        _c("prefill chunking", R + "max_num_batched_tokens",
+           f"{lay.max_num_batched_tokens}, chunked_prefill={lay.chunked_prefill}, len {lay.seq_len}",
+           "chunked prefill or max_num_batched_tokens >= prompt + response",
+           lay.chunked_prefill or lay.max_num_batched_tokens >= lay.seq_len),
+        _c("one batch per engine", R + "max_num_seqs",
+           f"{lay.max_num_seqs} vs {lay.sequences} / {lay.engines} engines = {-(-lay.sequences // lay.engines)}",
+           "max_num_seqs >= sequences per engine", lay.max_num_seqs * lay.engines >= lay.sequences),
+        _c("memory fraction", R + "gpu_memory_utilization", lay.gpu_memory_utilization,
+           "0 < gpu_memory_utilization <= 1", 0 < lay.gpu_memory_utilization <= 1),
+        _c("graph mode keeps its cache", R + "free_cache_engine",
+           f"enforce_eager={lay.enforce_eager}, free_cache_engine={lay.free_cache_engine}",
+           "graph mode (enforce_eager False) => free_cache_engine False (verl 0.4.0 asserts it)",
+           lay.enforce_eager or not lay.free_cache_engine),
+    ]
+
+
+def batch_checks(lay: Layout) -> list[Check]:
+    seqs, dp = lay.sequences, max(1, lay.dp)
+    per_rank = seqs // dp
+    checks = [
+        _c("sequences split over train DP", "data.train_batch_size", f"{lay.train_batch} x {lay.n} = {seqs} % DP {dp}",
+           "train_batch_size * n % DP == 0", _div(seqs, dp)),
+        _c("sequences split over engines", "data.train_batch_size", f"{seqs} % {lay.engines} engines",
+           "train_batch_size * n % (rollout DP * instances) == 0", _div(seqs, lay.engines)),
+        _c("mini-batches per step", A + "ppo_mini_batch_size", f"{lay.train_batch} % {lay.mini_batch}",
+           "train_batch_size % ppo_mini_batch_size == 0", _div(lay.train_batch, lay.mini_batch)),
+        _c("micro-batches per mini-batch", A + "ppo_micro_batch_size_per_gpu",
+           f"{lay.mini_batch} x {lay.n} / DP {dp} = {lay.mini_batch * lay.n // dp} % {lay.micro_batch}",
+           "mini_batch * n / DP % micro_batch == 0",
+           _div(lay.mini_batch * lay.n, dp) and _div(lay.mini_batch * lay.n // dp, lay.micro_batch)),
+        _c("on-policy without old_log_prob", A + "ppo_mini_batch_size",
+           f"recompute_old_log_prob={lay.recompute_old_log_prob}, mini {lay.mini_batch} vs batch {lay.train_batch},"
+           f" epochs {lay.ppo_epochs}", "recompute_old_log_prob False => mini batch == train batch and 1 epoch",
+           lay.recompute_old_log_prob or (lay.mini_batch == lay.train_batch and lay.ppo_epochs == 1),
+           "or set recipe.recompute_old_log_prob=true"),
+        _c("GRPO groups", R + "n", f"adv_estimator={lay.adv_estimator}, n={lay.n}", "grpo => n > 1",
+           lay.adv_estimator != "grpo" or lay.n > 1),
+        _c("one KL placement", "algorithm.use_kl_in_reward",
+           f"use_kl_loss={lay.use_kl_loss}, use_kl_in_reward={lay.use_kl_in_reward}",
+           "not both KL loss and KL in reward", not (lay.use_kl_loss and lay.use_kl_in_reward)),
+    ]
+    for name, key, micro in (("ref log-prob micro-batch", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                              lay.ref_micro_batch),
+                             ("rollout log-prob micro-batch", R + "log_prob_micro_batch_size_per_gpu",
+                              lay.rollout_logprob_micro_batch)):
+        if micro:
+            checks.append(_c(name, key, f"{per_rank} per DP rank % {micro}", "sequences per DP rank % micro == 0",
+                             _div(per_rank, micro)))
+    return checks
+
+
+def memory_checks(est: Estimate) -> list[Check]:
+    dev = est.device_gb
+    outside = est.rollout_outside_vllm
+    util_gb = est.vllm["budget (gpu_memory_utilization x device)"]
+    kv_budget, kv_need = est.vllm["kv cache budget"], est.vllm["kv cache needed"]
+    return [
+        _c("update peak per die", AM + "pipeline_model_parallel_size",
+           f"{est.update_total:.1f} GB (stage {est.update_stage}) vs {dev:.0f} GB", "update peak <= device memory",
+           est.update_total <= dev, "more PP/TP, recompute, swap_optimizer, or ref param_offload"),
+        _c("room beside vLLM", R + "gpu_memory_utilization",
+           f"{outside:.1f} GB resident + {util_gb:.1f} GB vLLM vs {dev:.0f} GB",
+           "resident + gpu_memory_utilization x device <= device", outside + util_gb <= dev,
+           "offload Megatron params/grads or lower gpu_memory_utilization"),
+        _c("KV cache for one batch", R + "gpu_memory_utilization",
+           f"needs {kv_need:.1f} GB, budget {kv_budget:.1f} GB", "kv needed <= kv budget", kv_need <= kv_budget,
+           "raise gpu_memory_utilization or rollout EP, or lower max_num_seqs"),
+    ]
+
+
+def run(lay: Layout, dims: Dims, device_gb: float) -> tuple[list[Check], Estimate]:
+    """Every arithmetic check of a run, in table order, and the memory estimate they used."""
+    est = estimate(lay, dims, device_gb)
+    checks = world_checks(lay) + megatron_checks(lay, dims) + rollout_checks(lay, dims) + batch_checks(lay)
+    return checks + memory_checks(est), est
+
+
+def derived(lay: Layout, dims: Dims) -> list[tuple[str, str]]:
+    """The sizes a run implies, for the plan."""
+    dp = max(1, lay.dp)
+    per_rank = lay.sequences // dp
+    engines = lay.engines
+    return [
+        ("world", f"{lay.nodes} nodes x {lay.devices_per_node} = {lay.world} devices ({lay.cards} cards)"),
+        ("train layout", f"TP{lay.tp} PP{lay.pp} EP{lay.ep}" + (" (moe_tp_extend_ep)" if lay.extend_ep else "")
+         + f", layers per stage {list(lay.layer_list) if lay.layer_list else dims.layers // lay.pp}"),
+        ("train DP per stage", f"{lay.world} / (TP{lay.tp} x PP{lay.pp}) = {dp}"),
+        ("experts per rank (train)", f"{experts_per_train_rank(lay, dims):g}"),
+        ("sequences per step", f"{lay.train_batch} prompts x {lay.n} = {lay.sequences}"),
+        ("sequences per train DP rank", f"{per_rank}"),
+        ("micro-batches per step (update)", f"{per_rank // lay.micro_batch} per DP rank"
+         f" ({lay.train_batch // lay.mini_batch} mini-batch x {lay.ppo_epochs} epoch)"),
+        ("micro-batches per step (ref)", f"{per_rank // lay.ref_micro_batch if lay.ref_micro_batch else '-'}"),
+        ("rollout engines", f"{lay.rollout_instances} instance(s) x DP{lay.rollout_dp} = {engines} (TP{lay.rollout_tp},"
+         f" EP{lay.rollout_ep} per instance)"),
+        ("sequences per engine (max_num_seqs)", f"{-(-lay.sequences // engines)} (max_num_seqs {lay.max_num_seqs})"),
+        ("experts per rank (rollout)", f"{dims.experts / lay.rollout_ep:g}"),
+        ("tokens per sequence", f"{lay.prompt_len} + {lay.response_len} = {lay.seq_len}"),
+    ]
+
+
+def render(checks: list[Check]) -> str:
+    rows = [("check", "value", "rule", "ok")] + [(c.name, c.value, c.rule, "ok" if c.ok else "FAIL") for c in checks]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r[:3], widths, strict=True)) + "  " + r[3]
+                     for r in rows)
+
+
+def render_memory(est: Estimate) -> str:
+    lines = [f"memory per die (estimate, GB; device {est.device_gb:.0f} GB):",
+             f"  update, worst stage {est.update_stage}:"]
+    lines += [f"    {k:<34} {v:7.2f}" for k, v in est.update.items()]
+    lines.append(f"    {'total':<34} {est.update_total:7.2f}")
+    lines.append("  rollout, left beside vLLM:")
+    lines += [f"    {k:<34} {v:7.2f}" for k, v in est.rollout_resident.items()]
+    lines.append("  rollout, vLLM:")
+    lines += [f"    {k:<40} {v:7.2f}" for k, v in est.vllm.items()]
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""Prepare a run (config -> checks -> plan) and execute one node's part of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from tools.launch import cluster, config, env, inputs, layout, plan, preflight
+from tools.launch.memory import Dims, Estimate
+
+EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
+
+
+@dataclass
+class Prepared:
+    recipe: config.Recipe
+    plan: plan.Plan
+    checks: list[preflight.Check]
+    estimate: Estimate
+    dims_source: str
+    inputs: list[preflight.Check]  # paths and required settings: a dry run reports them, a run needs them
+
+    @property
+    def ok(self) -> bool:
+        """The layout, batch and memory arithmetic holds."""
+        return all(c.ok for c in self.checks)
+
+    @property
+    def ready(self) -> bool:
+        """ok, and every input is set and present: the run can start."""
+        return self.ok and all(c.ok for c in self.inputs)
+
+
+def device_memory_gb(accelerator: str, devices_per_node: int) -> float:
+    if accelerator in layout.DEVICE_MEMORY_GB:
+        return layout.DEVICE_MEMORY_GB[accelerator]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return ram / max(1, devices_per_node)
+
+
+def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root: Path,
+            python: str = sys.executable, ray_bin: str = "ray", device_gb: float | None = None) -> Prepared:
+    cfg = recipe.cfg
+    unknown = config.unknown_keys(cfg, config.verl_base())
+    if unknown:
+        raise config.ConfigError(f"{unknown[0]} is not a key of verl's ppo_megatron_trainer.yaml"
+                                 f" ({len(unknown)} unknown: {', '.join(unknown[:5])}); check the spelling, or put"
+                                 " settings our forks add under recipe.* or *.megatron.*")
+    lay = layout.from_config(cfg)
+    raw, dims_source = config.model_dims(recipe)
+    dims = Dims.from_hf(raw)
+    gb = device_gb if device_gb is not None else device_memory_gb(lay.accelerator, lay.devices_per_node)
+    checks, est = preflight.run(lay, dims, gb)
+    input_checks = inputs.input_checks(cfg, lay)
+    profile = env.load_profile(recipe.path.parent.parent, str(config.value(cfg, "launch.env_profile")))
+    node_env, notes = env.node_env(profile, facts)
+    run_dir = Path(logs_root) / run_id
+    the_plan = plan.build(recipe.name, run_id, run_dir, lay, config.value(cfg, "launch.ray"), node_env, notes,
+                          profile.left_out, python, preflight.derived(lay, dims), ray_bin)
+    return Prepared(recipe, the_plan, checks, est, dims_source, input_checks)
+
+
+def report(p: Prepared, dry_run: bool = False) -> str:
+    failed = [c for c in p.checks if not c.ok]
+    missing = [c for c in p.inputs if not c.ok]
+    lines = [f"preflight ({p.recipe.path.name}; model dims from {p.dims_source}):", preflight.render(p.checks), "",
+             preflight.render_memory(p.estimate), ""]
+    lines += [f"error: {c.message()}" for c in failed]
+    lines.append(f"preflight: {len(p.checks) - len(failed)} of {len(p.checks)} checks ok")
+    if p.inputs:
+        lines += ["", "inputs (a dry run reports them; a run needs them):", preflight.render(p.inputs)]
+        word = "needed before a run" if dry_run else "error"
+        lines += [f"{word}: {c.message()}" for c in missing]
+    return "\n".join(lines) + "\n"
+
+
+def save_run_files(p: Prepared, venv: Path | None) -> list[str]:
+    """config.yaml (as resolved), verl.yaml (what verl reads), stack.json; notes for what was skipped."""
+    run_dir = p.plan.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write(run_dir / "config.yaml", OmegaConf.to_yaml(p.recipe.cfg))
+    _write(run_dir / "verl.yaml", OmegaConf.to_yaml(config.verl_config(p.recipe.cfg, config.verl_base())))
+    _write(run_dir / "env.json", json.dumps(p.plan.env, indent=2, sort_keys=True) + "\n")
+    stack = (venv or Path(sys.prefix)) / "stack.json"
+    if stack.is_file():
+        shutil.copyfile(stack, run_dir / "stack.json")
+        return []
+    return [f"{stack} not found (written by `python -m tools.install`): stack.json not saved with the run"]
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def run_head(p: Prepared, say=print) -> int:
+    pl = p.plan
+    lay = pl.layout
+    host_log = pl.run_dir / f"{socket.gethostname()}.log"
+    head = cluster.RayProcess(pl.nodes[0].ray_command, host_log, pl.env).start()
+    try:
+        host, port = pl.ray_address.rsplit(":", 1)
+        cluster.wait_for_port(host, int(port), attempts=20, backoff_s=0.5, max_backoff_s=5, say=say)
+        cluster.wait_for_nodes(pl.ray_address, lay.nodes, pl.resource, lay.devices_per_node, pl.join_timeout_s,
+                               say=say)
+        _wait_for_dashboard(pl.dashboard_url)
+        status = cluster.run_job(pl.dashboard_url, shlex.join(pl.trainer_command), pl.run_id, pl.env,
+                                 pl.run_dir / "trainer.log", echo=say)
+        say(f"job {pl.run_id}: {status}")
+        return EXIT_OK if status == "SUCCEEDED" else EXIT_ERROR
+    finally:
+        head.stop()
+
+
+def run_worker(p: Prepared, say=print) -> int:
+    pl = p.plan
+    host, port = pl.ray_address.rsplit(":", 1)
+    cluster.wait_for_port(host, int(port), attempts=60, backoff_s=1, max_backoff_s=30, say=say)
+    me = cluster.RayProcess(pl.nodes[1].ray_command, pl.run_dir / f"{socket.gethostname()}.log", pl.env).start()
+    try:
+        why = cluster.watch_head(host, int(port), me)
+        say(f"leaving: {why}")
+        return EXIT_OK
+    finally:
+        me.stop()
+
+
+def _wait_for_dashboard(url: str, timeout_s: float = 120) -> None:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    attempts = max(1, int(timeout_s // 2))
+    cluster.wait_for_port(host, int(port), attempts=attempts, backoff_s=2, max_backoff_s=2, say=lambda _: None)
