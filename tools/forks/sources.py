@@ -85,9 +85,10 @@ def sync_git(root: Path, fork: Fork) -> None:
             proc = git.run(path, "checkout", "--detach", fork.commit, check=False)
     if proc.returncode != 0 or git.resolve(path, fork.commit) is None:
         said = (proc.stderr or proc.stdout).strip().splitlines()
+        cause = next((line for line in said if line.startswith(("fatal:", "error:"))), said[-1] if said else "")
         raise SourceError(
             f"{fork.name}: git could not fetch {fork.commit[:12]} ({fork.ref}) from {fork.url}:"
-            f" {said[0] if said else 'the commit is not there'}\n"
+            f" {cause or 'the commit is not there'}\n"
             f"  fix: give git a mirror, e.g. `git config --global url.<mirror>.insteadOf {fork.url}`,"
             " or use --source pypi where the fork has a PyPI source"
         )
