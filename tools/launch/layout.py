@@ -135,7 +135,7 @@ def from_config(cfg: DictConfig) -> Layout:
         ref_micro_batch=v("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
         rollout_logprob_micro_batch=v(R + "log_prob_micro_batch_size_per_gpu"),
         prompt_len=int(v("data.max_prompt_length")), response_len=int(v("data.max_response_length")),
-        ppo_epochs=int(v(A + "ppo_epochs", 1)), recompute_old_log_prob=bool(v("recipe.recompute_old_log_prob", True)),
+        ppo_epochs=int(v(A + "ppo_epochs", 1)), recompute_old_log_prob=bool(v(A + "recompute_old_log_prob", True)),
         adv_estimator=str(v("algorithm.adv_estimator", "gae")), use_kl_loss=bool(v(A + "use_kl_loss", False)),
         use_kl_in_reward=bool(v("algorithm.use_kl_in_reward", False)),
         trainer_nnodes=int(v("trainer.nnodes", 1)), trainer_devices=int(v("trainer.n_gpus_per_node", 1)),

@@ -147,7 +147,7 @@ def batch_checks(lay: Layout) -> list[Check]:
            f"recompute_old_log_prob={lay.recompute_old_log_prob}, mini {lay.mini_batch} vs batch {lay.train_batch},"
            f" epochs {lay.ppo_epochs}", "recompute_old_log_prob False => mini batch == train batch and 1 epoch",
            lay.recompute_old_log_prob or (lay.mini_batch == lay.train_batch and lay.ppo_epochs == 1),
-           "or set recipe.recompute_old_log_prob=true"),
+           "or set actor_rollout_ref.actor.recompute_old_log_prob=true"),
         _c("GRPO groups", R + "n", f"adv_estimator={lay.adv_estimator}, n={lay.n}", "grpo => n > 1",
            lay.adv_estimator != "grpo" or lay.n > 1),
         _c("one KL placement", "algorithm.use_kl_in_reward",
