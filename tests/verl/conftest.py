@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
+import torch.multiprocessing as mp
 
 
 def require(module: str):
@@ -12,3 +15,21 @@ def require(module: str):
     except ImportError as exc:
         pytest.skip(f"{module} not importable ({exc}): sync and apply the verl fork, then install it"
                     " (nox -s tests does both)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_forked(worker, world: int, *args) -> dict:
+    """Run `worker(rank, port, *args, results)` in `world` processes; returns results[rank] by rank.
+
+    Fork, not spawn: the workers inherit the imported modules (importing verl costs seconds each).
+    The workers start gloo on 127.0.0.1:port themselves.
+    """
+    results = mp.Manager().dict()
+    mp.start_processes(worker, args=(free_port(), *args, results), nprocs=world, join=True, start_method="fork")
+    assert len(results) == world, f"only ranks {sorted(results)} reported"
+    return dict(results)

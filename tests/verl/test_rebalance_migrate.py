@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections import deque
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.verl.conftest import require
+from tests.verl.conftest import require, run_forked
 
 migrate = require("verl.workers.rollout.rebalance.migrate")
 plan = require("verl.workers.rollout.rebalance.plan")
@@ -116,18 +114,9 @@ def _worker(rank, port, results):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run() -> dict:
-    results = mp.Manager().dict()
-    # fork: the workers inherit the imported modules (importing verl costs seconds per process)
-    mp.start_processes(_worker, args=(_free_port(), results), nprocs=WORLD, join=True, start_method="fork")
-    assert len(results) == WORLD
-    return dict(results)
+    return run_forked(_worker, WORLD)
 
 
 def test_every_request_finishes_once_and_returns_home_in_order_with_its_tokens():

@@ -9,14 +9,12 @@ collect-then-split.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.verl.conftest import require
+from tests.verl.conftest import require, run_forked
 
 plan = require("verl.utils.reshard.plan")
 execute = require("verl.utils.reshard.execute")
@@ -79,11 +77,6 @@ def _worker(rank, port, train_kw, rollout_kw, experts, results):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("train_kw, rollout_kw, experts", [
     (dict(tp=2, pp=2, ep=2, world=WORLD), dict(dp=4, tp=2), 8),
@@ -91,11 +84,7 @@ def _free_port() -> int:
     (dict(tp=1, pp=2, ep=2, world=WORLD), dict(dp=4, tp=2), 16),
 ])
 def test_directed_reshard_equals_the_gather_path(train_kw, rollout_kw, experts):
-    results = mp.Manager().dict()
-    # fork: the workers inherit the imported modules (importing verl costs seconds per process)
-    mp.start_processes(_worker, args=(_free_port(), train_kw, rollout_kw, experts, results), nprocs=WORLD,
-                       join=True, start_method="fork")
-    assert len(results) == WORLD
+    results = run_forked(_worker, WORLD, train_kw, rollout_kw, experts)
     for rank in range(WORLD):
         mismatches, rows_ok = results[rank]
         assert mismatches == [], f"rank {rank}: layers {mismatches} differ from the gather path"

@@ -4,14 +4,12 @@ driver's collect-then-split; matching layouts move nothing; misuse is refused wi
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.verl.conftest import require
+from tests.verl.conftest import require, run_forked
 
 cache_mod = require("verl.utils.reshard.tensor_cache")
 WORLD, ROWS = 8, 36
@@ -37,15 +35,9 @@ def _worker(rank, port, results):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_reshard_equals_collect_then_split_and_matching_layouts_move_nothing():
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(_free_port(), results), nprocs=WORLD, join=True, start_method="fork")
+    results = run_forked(_worker, WORLD)
     for rank in range(WORLD):
         equal, moved, moved_same, same_ok = results[rank]
         assert equal, f"rank {rank}: resharded rows differ from the driver's split"
