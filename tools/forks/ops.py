@@ -8,7 +8,6 @@ A branch tip other than `recipe.tip` means commits that are not in the series ye
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -358,6 +357,3 @@ def gitlink_problems(manifest: Manifest) -> list[str]:
                             f" forks.toml says {fork.submodule_url}")
     return problems
 
-
-def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

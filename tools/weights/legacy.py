@@ -18,6 +18,8 @@ mapping. Mapping (MindSpeed-LLM DeepSeek-V3 layer spec):
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from tools.weights.io import CheckpointError, HashingWriter, Manifest, ShardedReader, atomic_write, progress
 from tools.weights.model import ConfigError, Dims, dims_from_config, hf_tensors, load_config
@@ -225,9 +228,6 @@ def hf_region(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 def header(dims_config: dict, layout: Layout, reader: ShardedReader) -> dict:
     """What a destination was made from; a resumed run must match it exactly."""
-    import hashlib
-    import json
-
     weight_map = json.dumps(reader.weight_map, sort_keys=True).encode()
     return {"format": "legacy", "layout": asdict(layout),
             "config_sha256": hashlib.sha256(json.dumps(dims_config, sort_keys=True).encode()).hexdigest(),
@@ -342,8 +342,6 @@ class _Budget:
 
 
 def _converted(directory: Path) -> tuple[Layout, dict]:
-    import json
-
     manifest = directory / "manifest.json"
     if not manifest.is_file():
         raise CheckpointError(f"{directory}: no manifest.json; is it a directory written by hf-to-mcore?")
@@ -360,10 +358,6 @@ def _load_rank(path: Path) -> dict[str, torch.Tensor]:
 
 def legacy_to_hf(converted: Path, config_dir: Path, dst: Path, say=print) -> None:
     """Reassemble HF tensors from rank files, one pipeline stage at a time; one shard per stage."""
-    import json
-
-    from safetensors.torch import save_file
-
     config = load_config(config_dir)
     dims = dims_from_config(config)
     layout, _ = _converted(converted)
