@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from tools.weights.io import INDEX, atomic_write
 from tools.weights.model import FP8_BLOCK, dims_from_config, hf_tensors
+from tools.weights.tokenizer import write_tokenizer
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -88,8 +89,9 @@ def make_config(overrides: dict | None = None) -> dict:
 
 
 def make_tiny(dst: Path, *, fp8: bool = False, overrides: dict | None = None, seed: int = 0, shards: int = 2,
-              split_scales: bool = False) -> dict[str, torch.Tensor]:
-    """Write the checkpoint; returns the bf16 tensors it holds (dequantised values are not these for fp8)."""
+              split_scales: bool = False, tokenizer: bool = True) -> dict[str, torch.Tensor]:
+    """Write the checkpoint (and a local tokenizer); returns the bf16 tensors it holds (for fp8, the
+    values before quantisation)."""
     config = make_config(overrides)
     dims = dims_from_config(config)
     gen = torch.Generator().manual_seed(seed)
@@ -114,6 +116,8 @@ def make_tiny(dst: Path, *, fp8: bool = False, overrides: dict | None = None, se
     if fp8:
         config["quantization_config"] = FP8_QUANTIZATION
     _write(dst, config, stored, scales, shards, split_scales)
+    if tokenizer:
+        write_tokenizer(dst, dims.vocab)
     return tensors
 
 

@@ -18,6 +18,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", type=int, default=2, help="number of safetensors shards")
     p.add_argument("--split-scales", action="store_true", help="put every _scale_inv in a shard of its own")
+    p.add_argument("--no-tokenizer", action="store_true", help="leave out the local character-level tokenizer")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="override a config field, e.g. --set num_hidden_layers=6 --set n_routed_experts=16")
     p.set_defaults(func=run)
@@ -32,6 +33,6 @@ def run(args: argparse.Namespace) -> int:
         except json.JSONDecodeError:
             overrides[key] = value
     tensors = make_tiny(args.dst, fp8=args.fp8, overrides=overrides, seed=args.seed, shards=args.shards,
-                        split_scales=args.split_scales)
+                        split_scales=args.split_scales, tokenizer=not args.no_tokenizer)
     print(f"wrote {args.dst}: {len(tensors)} tensors ({'fp8' if args.fp8 else 'bf16'})")
     return 0
