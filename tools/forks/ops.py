@@ -113,6 +113,12 @@ def _branch_matches_series(st: State) -> bool:
     return not series_mod.differences(st.series, rendered)
 
 
+def _require_no_local_work(st: State) -> None:
+    """Nothing in the fork that a rebuild, replacement or push would lose or leave out."""
+    _require_clean(st)
+    _refuse_strays(st)
+
+
 def _refuse_strays(st: State) -> None:
     stray = stray_commits(st)
     if stray:
@@ -167,8 +173,7 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
         return f"already present ({st.source})"
     if st.source == "git" and source in ("auto", "git") and not force:
         # The pin moved (a pulled rebase): fetch it into the existing checkout, losing nothing.
-        _require_clean(st)
-        _refuse_strays(st)
+        _require_no_local_work(st)
         try:
             sources.sync_git(root, fork)
         except sources.SourceError as exc:
@@ -182,9 +187,7 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
                 f"{fork.name}: {st.path} already holds a {st.source} tree{made_for}; pass --force to"
                 f" replace it with the {source} source"
             )
-        if st.present:
-            _require_clean(st)
-            _refuse_strays(st)
+        _require_no_local_work(st)  # st.source is git or pypi here
         shutil.rmtree(st.path)
     elif st.path.exists() and any(st.path.iterdir()):
         raise ForkError(f"{fork.name}: {st.path} has files but no git repository; move them away")
@@ -223,8 +226,7 @@ def apply(root: Path, fork: Fork, dry_run: bool = False) -> str:
     st = state(root, fork)
     _require_present(st)
     sources.exclude_build_outputs(st.path)
-    _require_clean(st)
-    _refuse_strays(st)
+    _require_no_local_work(st)
     set_gitlink(root, fork)
     names = st.series.names()
     if is_current(st):
@@ -310,8 +312,7 @@ def publish(root: Path, fork: Fork, remote: str, force: bool = False, dry_run: b
     """Push the fork branch to `remote` and point the submodule (URL and gitlink) at it."""
     st = state(root, fork)
     _require_present(st)
-    _require_clean(st)
-    _refuse_strays(st)
+    _require_no_local_work(st)
     if not is_current(st) or export(root, fork, check=True):
         raise ForkError(f"{fork.name}: {fork.branch} and the series disagree; run `apply` (or `export`"
                         " for new commits) first, so that what is published is what is reviewed")

@@ -52,8 +52,7 @@ def start(root: Path, fork: Fork, onto: str) -> str:
                             f" Run `python -m tools.forks sync {fork.name} --source git --force` first")
     if _state_path(st.path).exists():
         raise ops.ForkError(f"{fork.name}: a rebase is already under way; use --continue or --abort")
-    ops._require_clean(st)
-    ops._refuse_strays(st)
+    ops._require_no_local_work(st)
     if not ops.is_current(st):
         raise ops.ForkError(f"{fork.name}: {fork.branch} is not the series on disk; run"
                             f" `python -m tools.forks apply {fork.name}` first")
