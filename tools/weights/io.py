@@ -73,8 +73,12 @@ class ShardedReader:
     def get(self, name: str) -> torch.Tensor:
         return self._handle(self.shard_of(name)).get_tensor(name)
 
+    def slice(self, name: str):
+        """A lazy view of tensor `name`: indexing it reads only the selected bytes."""
+        return self._handle(self.shard_of(name)).get_slice(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.shard_of(name)).get_slice(name).get_shape())
+        return tuple(self.slice(name).get_shape())
 
     def close(self) -> None:
         self._handles.clear()

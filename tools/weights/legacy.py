@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from tools.weights.io import CheckpointError, HashingWriter, Manifest, ShardedReader, atomic_write, progress
-from tools.weights.model import ConfigError, Dims, dims_from_config, hf_tensors, load_config
+from tools.weights.model import ConfigError, Dims, dims_from_config, hf_shapes, hf_tensors, load_config
 
 ITERATION = 1
 LATEST = "latest_checkpointed_iteration.txt"
@@ -192,7 +192,7 @@ def _grouped_experts(dims: Dims, layout: Layout, mc: str, hf: str, tp: int, ep: 
 
 def read_piece(reader: ShardedReader, piece: Piece) -> torch.Tensor:
     """Only the bytes of the slice are read (safetensors slices are lazy)."""
-    view = reader._handle(reader.shard_of(piece.hf)).get_slice(piece.hf)
+    view = reader.slice(piece.hf)
     index = (slice(piece.start, piece.stop),) if piece.dim == 0 else (slice(None), slice(piece.start, piece.stop))
     tensor = view[index]
     return tensor.t() if piece.transpose else tensor
@@ -269,7 +269,7 @@ def hf_to_legacy(src: Path, dst: Path, layout_args: dict, *, resume: bool = Fals
     if unused:
         say(f"not part of the model, left out: {len(unused)} tensors ({', '.join(unused[:3])}...)")
     manifest = Manifest.resume(dst, header(config, layout, reader), resume)
-    shapes = {name: shape for name, (shape, _) in hf_tensors(dims).items()}
+    shapes = hf_shapes(dims)
     files = plan(dims, layout)
     sizes = {rel: _file_bytes(specs, shapes) for rel, specs in files.items()}
     budget = int(max_memory_gb * 2**30)
@@ -361,7 +361,7 @@ def legacy_to_hf(converted: Path, config_dir: Path, dst: Path, say=print) -> Non
     config = load_config(config_dir)
     dims = dims_from_config(config)
     layout, _ = _converted(converted)
-    shapes = {name: shape for name, (shape, _) in hf_tensors(dims).items()}
+    shapes = hf_shapes(dims)
     files = plan(dims, layout)
     dst.mkdir(parents=True, exist_ok=True)
     weight_map = {}
@@ -393,12 +393,13 @@ def verify(src: Path, converted: Path, sample: int | None = None, seed: int = 0,
     dims = dims_from_config(config)
     layout, _ = _converted(converted)
     reader = ShardedReader(src)
-    shapes = {name: shape for name, (shape, _) in hf_tensors(dims).items()}
+    shapes = hf_shapes(dims)
     chosen = set(shapes)
     if sample is not None and sample < len(shapes):
         chosen = set(random.Random(seed).sample(sorted(shapes), sample))
     mismatches, checked = [], set()
-    for rel, specs in plan(dims, layout).items():
+    files = plan(dims, layout)
+    for rel, specs in files.items():
         state = None
         for spec in specs:
             if not any(p.hf in chosen for p in spec.pieces):
@@ -415,7 +416,7 @@ def verify(src: Path, converted: Path, sample: int | None = None, seed: int = 0,
                     mismatches.append(f"{rel}: {spec.name} differs from {piece.hf}"
                                       f"[{piece.start}:{piece.stop} on dim {piece.dim}]")
                 checked.add(piece.hf)
-    say(f"verified {len(checked)} HF tensors against {len(plan(dims, layout))} rank files:"
+    say(f"verified {len(checked)} HF tensors against {len(files)} rank files:"
         f" {len(mismatches)} mismatches" + (f"; first: {mismatches[0]}" if mismatches else ""))
     return mismatches
 

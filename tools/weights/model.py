@@ -118,6 +118,11 @@ def hf_tensors(dims: Dims) -> dict[str, tuple[tuple[int, ...], bool]]:
     return out
 
 
+def hf_shapes(dims: Dims) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor of the HF checkpoint."""
+    return {name: shape for name, (shape, _) in hf_tensors(dims).items()}
+
+
 def _mlp(prefix: str, inner: int, hidden: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     return {
         f"{prefix}.gate_proj.weight": ((inner, hidden), True),
