@@ -52,7 +52,8 @@ def tests(session: nox.Session) -> None:
     python = f"{TEST_STACK}/bin/python"
     session.run(python, "-m", "pip", "install", "--quiet", *nox.project.dependency_groups(PYPROJECT, "test"),
                 external=True)
-    session.run(python, "-m", "pytest", *session.posargs, external=True)
+    session.run(python, "-m", "pytest", *session.posargs, external=True,
+                env={"RL_RECIPE_TEST_HARD_EXIT": "1", "PYTHONFAULTHANDLER": "1"})
 
 
 @nox.session(python="3.11")

@@ -29,7 +29,10 @@ def run_forked(worker, world: int, *args) -> dict:
     Fork, not spawn: the workers inherit the imported modules (importing verl costs seconds each).
     The workers start gloo on 127.0.0.1:port themselves.
     """
-    results = mp.Manager().dict()
-    mp.start_processes(worker, args=(free_port(), *args, results), nprocs=world, join=True, start_method="fork")
-    assert len(results) == world, f"only ranks {sorted(results)} reported"
-    return dict(results)
+    with mp.Manager() as manager:  # its server process ends here, not at interpreter exit
+        results = manager.dict()
+        mp.start_processes(worker, args=(free_port(), *args, results), nprocs=world, join=True,
+                           start_method="fork")
+        collected = dict(results)
+    assert len(collected) == world, f"only ranks {sorted(collected)} reported"
+    return collected
