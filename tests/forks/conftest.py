@@ -7,6 +7,7 @@ already upstream), a change to the line our third patch edits (a conflict), and 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import subprocess
@@ -130,7 +131,9 @@ def make_sdist(dest: Path, version: str = "1.0", files: dict[str, str] | None = 
     dest.mkdir(parents=True, exist_ok=True)
     path = dest / f"demo-{version}.tar.gz"
     content = {**(files or V1_FILES), "PKG-INFO": f"Metadata-Version: 2.1\nName: demo\nVersion: {version}\n"}
-    with tarfile.open(path, "w:gz") as tf:
+    # gzip's header holds a timestamp: fix it, so the same files always give the same bytes (and sha256).
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w") as tf:
         for name, text in sorted(content.items()):
             data = text.encode()
             info = tarfile.TarInfo(f"demo-{version}/{name}")

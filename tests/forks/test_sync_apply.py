@@ -48,9 +48,10 @@ def test_sync_auto_falls_back_to_pypi(tmp_path, upstream, capsys):
 
 
 def test_sync_pypi_from_dist_folder_is_a_marked_tagged_deterministic_repo(tmp_path, upstream):
-    trees = []
+    trees, archives = [], set()
     for name in ("a", "b"):
         project = make_project(tmp_path / name, upstream)
+        archives.add(sha256(project.dist / "demo-1.0.tar.gz"))
         assert project.cli("sync", "demo", "--source", "pypi", "--find-links", str(project.dist)) == 0
         log = git(project.fork, "log", "--format=%B", "-1")
         assert "PyPI-derived" in log and f"Not upstream commit {upstream.v1}" in log
@@ -58,6 +59,7 @@ def test_sync_pypi_from_dist_folder_is_a_marked_tagged_deterministic_repo(tmp_pa
         for file, text in V1_FILES.items():
             assert (project.fork / file).read_text() == text
         trees.append(git(project.fork, "rev-parse", "HEAD"))
+    assert len(archives) == 1, "the two projects must be given byte-identical distributions"
     assert trees[0] == trees[1], "same distribution must give the same base commit"
 
 
