@@ -18,6 +18,9 @@ Model (all stated, none measured):
   over 61 layers) at 20 GB/s; all engines wait for the slowest copy (counted in the makespan).
   A waiting sequence moves for free (prompt ids only). KV capacity per engine holds max_num_seqs
   full-length sequences, so admission is bounded by max_num_seqs, not by KV.
+  With `--kv-transfer reprefill` a moved running sequence is instead recomputed on the receiver, a
+  prefill of its prompt + generated tokens at `--prefill-tok-per-s` per engine (5000 assumed, not
+  measured); all engines wait for the slowest receiver's prefill. The cp columns are then that time.
 Policies:
   none   no rebalance.
   ref    our reading of the reference's rule: target = bucket of the average load; engines above it
@@ -36,7 +39,7 @@ N x max_num_seqs slots with running sequences spread perfectly at every step and
 limit of rebalancing ever more often. Columns: makespans (s), ratios to the bound, sequences moved
 (mv) and the part of the makespan spent copying KV (cp). Last line: the headline ratios.
 
-  python benchmarks/rollout_sim.py [--interval 64] [--seed 0]
+  python benchmarks/rollout_sim.py [--interval 64] [--seed 0] [--kv-transfer ship|reprefill]
 """
 
 from __future__ import annotations
@@ -258,15 +261,19 @@ def reference(rollout: Rollout) -> list[tuple[int, int, list[int], int]]:
     return moves
 
 
-def apply_moves(rollout: Rollout, moves, owner: list[int]) -> tuple[float, int]:
-    """Carry out the moves; returns (copy time in ms: the slowest engine's KV traffic, sequences moved)."""
+def apply_moves(rollout: Rollout, moves, owner: list[int], reprefill_tok_per_ms: float | None = None
+                ) -> tuple[float, int]:
+    """Carry out the moves; returns (move time in ms, sequences moved). The move time is the slowest
+    engine's KV traffic, or with `reprefill_tok_per_ms` the slowest receiver's prefill of what it got."""
     traffic = [0] * rollout.s.engines
+    prefill = [0] * rollout.s.engines
     moved = 0
     for src, dst, seqs, waiting in moves:
         for seq in seqs:
             nbytes = kv_blocks(rollout.s.prompt_len + rollout.generated(seq)) * BLOCK_TOKENS * KV_BYTES_PER_TOKEN
             traffic[src] += nbytes
             traffic[dst] += nbytes
+            prefill[dst] += rollout.s.prompt_len + rollout.generated(seq)
             rollout.stop(src, seq)
             rollout.waiting[dst].appendleft(seq)  # a migrated sequence resumes first
             owner[seq] = dst
@@ -277,10 +284,13 @@ def apply_moves(rollout: Rollout, moves, owner: list[int]) -> tuple[float, int]:
         moved += len(seqs) + waiting
     for e in sorted({m[0] for m in moves} | {m[1] for m in moves}):  # a donor may have freed slots
         rollout.admit(e)
+    if reprefill_tok_per_ms is not None:
+        return max(prefill) / reprefill_tok_per_ms, moved
     return 1e3 * max(traffic) / LINK_BYTES_PER_S, moved
 
 
-def simulate(s: Scenario, lengths: np.ndarray, policy, interval: int) -> tuple[float, float, int]:
+def simulate(s: Scenario, lengths: np.ndarray, policy, interval: int,
+             reprefill_tok_per_ms: float | None = None) -> tuple[float, float, int]:
     """Makespan in ms (steps plus KV copies), of it the copies in ms, and sequences moved."""
     rollout = Rollout(s, lengths)
     per = len(lengths) // s.engines
@@ -296,7 +306,7 @@ def simulate(s: Scenario, lengths: np.ndarray, policy, interval: int) -> tuple[f
             next_check += interval
             count_target = plan.bucket_of(math.ceil(rollout.left / s.engines), rollout.buckets)
             if plan.largest_bucket(rollout.loads(), rollout.buckets) > count_target:  # else nothing to gain
-                ms, n = apply_moves(rollout, policy(rollout), owner)
+                ms, n = apply_moves(rollout, policy(rollout), owner, reprefill_tok_per_ms)
                 makespan, copying, moved = makespan + ms, copying + ms, moved + n
     return makespan, copying, moved
 
@@ -305,10 +315,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval", type=int, default=64, help="engine steps between rebalance checks")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-transfer", choices=("ship", "reprefill"), default="ship",
+                        help="how a moved running sequence gets its KV: copied, or recomputed by a prefill")
+    parser.add_argument("--prefill-tok-per-s", type=float, default=5000.0,
+                        help="prefill throughput of one engine with --kv-transfer reprefill (assumed)")
     args = parser.parse_args()
+    reprefill = args.prefill_tok_per_s / 1e3 if args.kv_transfer == "reprefill" else None
     start = time.perf_counter()
     print(f"t(b) = {A_MS:g} + {C_MS:g} * bucket(b) ms; buckets 1, 2, 4, .. up to max_num_seqs; "
-          f"check every {args.interval} steps; KV cap {KV_CAP:.0%}")
+          f"check every {args.interval} steps; KV cap {KV_CAP:.0%}; moved KV: {args.kv_transfer}"
+          + (f" at {args.prefill_tok_per_s:g} prefill tokens/s" if reprefill else " at 20 GB/s"))
     print(f"{'scenario':20} {'seqs':>5} {'mean':>6} {'max':>6} {'bound s':>8} {'none s':>8} {'ref s':>8} "
           f"{'ours s':>8} {'pool s':>7} {'none/lb':>7} {'ref/lb':>7} {'ours/lb':>7} {'pool/lb':>7} "
           f"{'ref mv':>7} {'ours mv':>7} {'ref cp s':>8} {'ours cp s':>9}")
@@ -317,8 +333,8 @@ def main() -> None:
         lengths = response_lengths(s, np.random.default_rng(args.seed))
         bound = lower_bound_ms(lengths, s.engines, s.max_num_seqs)
         none, _, _ = simulate(s, lengths, None, args.interval)
-        ref, ref_cp, ref_mv = simulate(s, lengths, reference, args.interval)
-        our, our_cp, our_mv = simulate(s, lengths, ours, args.interval)
+        ref, ref_cp, ref_mv = simulate(s, lengths, reference, args.interval, reprefill)
+        our, our_cp, our_mv = simulate(s, lengths, ours, args.interval, reprefill)
         pool = pooled_ms(s, lengths)
         print(f"{s.name:20} {len(lengths):5d} {lengths.mean():6.0f} {lengths.max():6d} {bound / 1e3:8.1f} "
               f"{none / 1e3:8.1f} {ref / 1e3:8.1f} {our / 1e3:8.1f} {pool / 1e3:7.1f} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.verl.conftest import require
@@ -78,6 +78,7 @@ def test_moves_conserve_sequences(engines, bucket_sizes):
 
 @settings(deadline=None)
 @given(kv_engines, buckets)
+@example([EngineLoad(0, 0, 0, 0), EngineLoad(0, 2, 0, 0)], [1])  # a donor with only waiting sequences
 def test_receivers_stay_within_the_kv_cap(engines, bucket_sizes):
     p = plan.plan_rebalance(engines, bucket_sizes, KV_CAP)
     incoming = {}
@@ -87,7 +88,8 @@ def test_receivers_stay_within_the_kv_cap(engines, bucket_sizes):
             assert len(m.seqs) == m.count - m.waiting
             assert m.blocks == sum(donor.seq_blocks[i] for i in m.seqs), "blocks travel with their sequences"
         else:
-            assert m.blocks == (m.count - m.waiting) * math.ceil(donor.used_blocks / donor.running)
+            average = math.ceil(donor.used_blocks / donor.running) if donor.running else 0  # only waiting ones
+            assert m.blocks == (m.count - m.waiting) * average
         incoming[m.dst] = incoming.get(m.dst, 0) + m.blocks
     for dst, blocks in incoming.items():
         e = engines[dst]

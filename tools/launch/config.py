@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VERL_CONFIG = "verl/trainer/config/ppo_megatron_trainer.yaml"
 # Where a key may be new to verl: blocks our forks read (MindSpeed features, recompute, recipe settings).
 EXTENSION_PREFIXES = ("launch.", "recipe.", "actor_rollout_ref.actor.megatron.", "actor_rollout_ref.ref.megatron.")
+REBALANCE = "recipe.rollout.rebalance"
+KV_TRANSFER_MODES = ("ship", "reprefill")  # verl/workers/rollout/rebalance/migrate.py (our verl series)
 REQUIRED_LAUNCH = ("launch.nodes", "launch.devices_per_node", "launch.accelerator", "launch.env_profile",
                    "launch.ray.port", "launch.ray.dashboard_port")
 
@@ -51,7 +53,61 @@ def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
         if OmegaConf.select(cfg, key, default=None) is None:
             raise ConfigError(f"{path}: {key} is not set; every recipe config has a launch block"
                               " (nodes, devices_per_node, accelerator, env_profile, ray.port, ray.dashboard_port)")
+    try:
+        rebalance_settings(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     return Recipe(path.resolve(), cfg, tuple(overrides))
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """recipe.rollout.rebalance: move live sequences between vLLM DP engines (our verl series, rebalance/)."""
+
+    enable: bool = False
+    check_interval: int = 64  # engine steps between load checks
+    buckets: tuple[int, ...] = ()  # captured-graph batch sizes, increasing; () = powers of 2 up to max_num_seqs
+    kv_usage_cap: float = 0.9  # engines above this KV usage receive nothing; receivers stay under it
+    kv_transfer: str = "ship"  # ship: copy the moved sequences' KV blocks; reprefill: recompute them
+
+
+def rebalance_settings(cfg: DictConfig) -> Rebalance:
+    """The rebalance block, checked: every key known, every value in range. Absent = off. recipe.* is open
+    to our forks' settings, so a misspelt key here would otherwise pass unnoticed."""
+    block = value(cfg, REBALANCE)
+    if block is None:
+        return Rebalance()
+    if not isinstance(block, dict):
+        raise ConfigError(f"{REBALANCE} must be a mapping of {', '.join(Rebalance.__dataclass_fields__)}")
+    unknown = sorted(set(block) - set(Rebalance.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"{REBALANCE}.{unknown[0]} is not a rebalance setting; known: "
+                          f"{', '.join(Rebalance.__dataclass_fields__)}")
+    r = Rebalance()
+    enable, interval = block.get("enable", r.enable), block.get("check_interval", r.check_interval)
+    buckets, cap = block.get("buckets", list(r.buckets)), block.get("kv_usage_cap", r.kv_usage_cap)
+    mode = block.get("kv_transfer", r.kv_transfer)
+    if not isinstance(enable, bool):
+        raise ConfigError(f"{REBALANCE}.enable must be true or false, got {enable!r}")
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ConfigError(f"{REBALANCE}.check_interval must be an integer >= 1 (engine steps), got {interval!r}")
+    if not isinstance(buckets, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in buckets) \
+            or any(b < 1 for b in buckets) or any(a >= b for a, b in zip(buckets, buckets[1:], strict=False)):
+        raise ConfigError(f"{REBALANCE}.buckets must be strictly increasing positive integers (graph batch"
+                          f" sizes, e.g. [1, 2, 4, 8, 16, 32, 64]) or [] for powers of 2, got {buckets!r}")
+    max_seqs = value(cfg, "actor_rollout_ref.rollout.max_num_seqs")
+    if enable and buckets and isinstance(max_seqs, int) and buckets[-1] > max_seqs:  # off: no run to stop
+        raise ConfigError(f"{REBALANCE}.buckets: {buckets[-1]} exceeds actor_rollout_ref.rollout.max_num_seqs"
+                          f" = {max_seqs}, an engine never runs that many; drop it or raise max_num_seqs")
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap <= 1:
+        raise ConfigError(f"{REBALANCE}.kv_usage_cap must be a fraction in (0, 1], got {cap!r}")
+    if mode not in KV_TRANSFER_MODES:
+        raise ConfigError(f"{REBALANCE}.kv_transfer must be one of {', '.join(KV_TRANSFER_MODES)}, got {mode!r}")
+    dp = value(cfg, "recipe.rollout.data_parallel_size", 1)
+    if enable and isinstance(dp, int) and dp < 2:
+        raise ConfigError(f"{REBALANCE}.enable is true but recipe.rollout.data_parallel_size is {dp}: rebalancing"
+                          " moves sequences between DP engines and needs at least 2")
+    return Rebalance(enable, interval, tuple(buckets), float(cap), mode)
 
 
 def verl_base(root: Path = ROOT) -> DictConfig:
