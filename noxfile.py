@@ -6,6 +6,7 @@ Sessions stay thin: the logic lives in importable, tested modules under tools/.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import nox
 
@@ -52,6 +53,11 @@ def tests(session: nox.Session) -> None:
     python = f"{TEST_STACK}/bin/python"
     session.run(python, "-m", "pip", "install", "--quiet", *nox.project.dependency_groups(PYPROJECT, "test"),
                 external=True)
+    # vLLM-Ascend is NPU-only, so the cpu stack does not install it; tests/vllm_ascend read its patched
+    # source instead (sync + apply, both no-ops when done). Without a source they skip, saying why.
+    session.run(sys.executable, "-m", "tools.forks", "sync", "vllm-ascend", external=True, success_codes=[0, 2])
+    if Path("third_party/vllm-ascend/vllm_ascend").is_dir():
+        session.run(sys.executable, "-m", "tools.forks", "apply", "vllm-ascend", external=True)
     session.run(python, "-m", "pytest", *session.posargs, external=True,
                 env={"RL_RECIPE_TEST_HARD_EXIT": "1", "PYTHONFAULTHANDLER": "1"})
 
