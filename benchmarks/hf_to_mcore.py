@@ -1,12 +1,17 @@
-"""hf-to-mcore (legacy per-rank files) on a synthetic DeepSeek-V3-shaped model of about 4.8 GB.
+"""hf-to-mcore (legacy per-rank files and torch_dist) on a synthetic DeepSeek-V3-shaped model of 4.9 GB.
 
 Measured side by side in one run, each in a fresh process: a plain copy of the same shard bytes,
-and the conversion (TP2 PP2 EP4, uneven layer list, two writers). Reports wall time, GB/s and peak
-resident memory of each. Goals: conversion throughput at least 0.7 of the plain copy's, peak RSS
-under 4 GB (Python included). The page cache is warm for both reads (the model was just written);
-both times include flushing what they wrote to disk (os.sync).
+and the conversions (legacy: TP2 PP2 EP4, uneven layer list; torch_dist: layout-free), two writers.
+Reports wall time, GB/s, CPU time and peak resident memory of each. Goals: conversion throughput at
+least 0.7 of the plain copy's, peak RSS under 4 GB (Python included). The page cache is warm for
+both reads (the model was just written); all runs start with nothing dirty (os.sync) and their
+times include flushing what they wrote to disk (os.sync). The runs are repeated --repeat times,
+alternating, and the best time of each is compared: on a shared machine the best time is the one
+least disturbed by other work. The CPU seconds say what a run costs whatever else the machine was
+doing.
 
-  python benchmarks/hf_to_mcore.py [--workdir DIR] [--keep]
+  python benchmarks/hf_to_mcore.py [--workdir DIR] [--keep] [--repeat N] [--workers N]
+                                   [--format legacy|torch_dist|both]
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ MODEL = {  # DeepSeek-V3's structure at about 1/140 of its size
 }
 
 
-def run_measured(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in GiB) of a command run in its own process."""
+def run_measured(cmd: list[str]) -> tuple[float, float, float]:
+    """(seconds, CPU seconds, peak RSS in GiB) of a command run in its own process."""
+    os.sync()  # start with nothing dirty: neither run pays for the other's (or the model's) write-back
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -40,43 +46,61 @@ def run_measured(cmd: list[str]) -> tuple[float, float]:
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return seconds, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, help="where to put the model (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the files afterwards")
+    parser.add_argument("--repeat", type=int, default=3, help="measure the copy and the conversion N times each")
+    parser.add_argument("--workers", type=int, default=2, help="hf-to-mcore --workers")
+    parser.add_argument("--format", choices=("legacy", "torch_dist", "both"), default="both")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-hf-to-mcore-"))
-    src, copy, dst = work / "hf", work / "copy", work / "mcore"
+    src, copy = work / "hf", work / "copy"
     try:
         if not (src / "config.json").exists():
-            from tools.weights.tiny import make_tiny
-
             print("writing the synthetic model ...", flush=True)
-            make_tiny(src, overrides=MODEL, shards=8, seed=0)
+            # in a process of its own: a parent that held the model would pass its peak RSS on to
+            # the measured children (ru_maxrss survives fork and exec)
+            subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path;"
+                            " from tools.weights.tiny import make_tiny;"
+                            f" make_tiny(Path(sys.argv[1]), overrides={MODEL!r}, shards=8, seed=0)", str(src)],
+                           cwd=ROOT, check=True)
         size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-        for d in (copy, dst):
-            shutil.rmtree(d, ignore_errors=True)
         copy_cmd = [sys.executable, "-c", "import shutil,sys,pathlib; s,d=map(pathlib.Path,sys.argv[1:]);"
                     " d.mkdir(); [shutil.copyfile(f, d/f.name) for f in sorted(s.glob('*.safetensors'))]",
                     str(src), str(copy)]
-        convert_cmd = [sys.executable, "-m", "tools.weights", "hf-to-mcore", "--src", str(src), "--dst", str(dst),
-                       "--tp", "2", "--pp", "2", "--ep", "4", "--num-layer-list", "2,3", "--workers", "2"]
-        copy_s, copy_rss = run_measured(copy_cmd)
-        conv_s, conv_rss = run_measured(convert_cmd)
-        written = sum(p.stat().st_size for p in dst.rglob("*.pt"))
+        formats = ("legacy", "torch_dist") if args.format == "both" else (args.format,)
+        layout = {"legacy": ["--tp", "2", "--pp", "2", "--ep", "4", "--num-layer-list", "2,3"], "torch_dist": []}
+        dsts = {f: work / f"mcore-{f}" for f in formats}
+        commands = {f: [sys.executable, "-m", "tools.weights", "hf-to-mcore", "--src", str(src), "--dst", str(dsts[f]),
+                        "--format", f, *layout[f], "--workers", str(args.workers)] for f in formats}
+        copies: list = []
+        runs: dict[str, list] = {f: [] for f in formats}
+        for _ in range(max(1, args.repeat)):
+            for d in (copy, *dsts.values()):
+                shutil.rmtree(d, ignore_errors=True)
+            copies.append(run_measured(copy_cmd))
+            for f in formats:
+                runs[f].append(run_measured(commands[f]))
+        (copy_s, copy_cpu, copy_rss) = min(copies)
         gb = size / 1e9
-        print(f"\nsynthetic model: {gb:.2f} GB in 8 shards; rank files written: {written / 1e9:.2f} GB")
-        print(f"{'run':28} {'seconds':>8} {'GB/s':>6} {'peak RSS GiB':>13}")
-        print(f"{'plain copy of the shards':28} {copy_s:8.1f} {gb / copy_s:6.2f} {copy_rss:13.2f}")
-        print(f"{'hf-to-mcore tp2 pp2 ep4':28} {conv_s:8.1f} {gb / conv_s:6.2f} {conv_rss:13.2f}")
-        out_ratio = (written / conv_s) / (size / copy_s)
-        print(f"bytes written per second, conversion / copy: {out_ratio:.2f} (the rank files replicate the"
-              f" non-expert weights over EP, {written / size:.2f}x the input)")
-        print(f"throughput ratio (input bytes, conversion / copy): {copy_s / conv_s:.2f} (goal >= 0.7);"
-              f" peak RSS {conv_rss:.2f} GiB (goal < 4)")
+        print(f"\nsynthetic model: {gb:.2f} GB in 8 shards; best of {len(copies)} runs"
+              f" (copy seconds: {' '.join(f'{c[0]:.1f}' for c in copies)})")
+        print(f"{'run':28} {'seconds':>8} {'GB/s':>6} {'CPU s':>6} {'peak RSS GiB':>13} {'written GB':>11}")
+        print(f"{'plain copy of the shards':28} {copy_s:8.1f} {gb / copy_s:6.2f} {copy_cpu:6.1f} {copy_rss:13.2f}"
+              f" {gb:11.2f}")
+        for f in formats:
+            conv_s, conv_cpu, _ = min(runs[f])
+            rss = max(c[2] for c in runs[f])
+            written = sum(p.stat().st_size for p in dsts[f].rglob("*") if p.is_file())
+            name = "hf-to-mcore legacy tp2pp2ep4" if f == "legacy" else "hf-to-mcore torch_dist"
+            print(f"{name:28} {conv_s:8.1f} {gb / conv_s:6.2f} {conv_cpu:6.1f} {rss:13.2f} {written / 1e9:11.2f}")
+            print(f"  {f}: throughput ratio (input bytes, conversion / copy) {copy_s / conv_s:.2f} (goal >= 0.7);"
+                  f" bytes written per second / copy's {(written / conv_s) / (size / copy_s):.2f};"
+                  f" peak RSS {rss:.2f} GiB (goal < 4); seconds {' '.join(f'{c[0]:.1f}' for c in runs[f])}")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

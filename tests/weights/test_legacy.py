@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +13,8 @@ import pytest
 import torch
 
 from tools.weights import legacy
-from tools.weights.io import CheckpointError, ShardedReader
-from tools.weights.model import ConfigError, dims_from_config, load_config
+from tools.weights.io import CheckpointError, DirectWriter, ShardedReader, aligned_buffer, reader_spans
+from tools.weights.model import ConfigError, dims_from_config, hf_shapes, load_config
 from tools.weights.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,7 +192,7 @@ def test_verify_names_the_first_mismatch(hf, tmp_path):
 
 
 def test_memory_budget_below_one_rank_file_is_refused(hf, tmp_path):
-    with pytest.raises(CheckpointError, match="--max-memory 0.0001 GB is below the largest rank file"):
+    with pytest.raises(CheckpointError, match="--max-memory 0.0001 GB is below the largest rank file .* staging"):
         legacy.hf_to_legacy(hf, tmp_path, LAYOUTS["tp1-pp1-ep1"], max_memory_gb=0.0001, **quiet)
 
 
@@ -200,15 +203,144 @@ def test_cli_end_to_end(tmp_path):
 
     assert cli("make-tiny", "--dst", str(tmp_path / "hf"), "--set", "num_hidden_layers=5",
                "--set", "n_routed_experts=16").returncode == 0
-    dry = cli("hf-to-mcore", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "mc"), "--tp", "2", "--pp", "2",
-              "--ep", "2", "--num-layer-list", "2,3", "--dry-run")
+    dry = cli("hf-to-mcore", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "mc"), "--format", "legacy",
+              "--tp", "2", "--pp", "2", "--ep", "2", "--num-layer-list", "2,3", "--dry-run")
     assert dry.returncode == 0 and dry.stdout.count("model_optim_rng.pt") == 8
     assert not (tmp_path / "mc").exists()
-    run = cli("hf-to-mcore", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "mc"), "--tp", "2",
-              "--pp", "2", "--ep", "2", "--num-layer-list", "2,3")
+    run = cli("hf-to-mcore", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "mc"), "--format", "legacy",
+              "--tp", "2", "--pp", "2", "--ep", "2", "--num-layer-list", "2,3")
     assert run.returncode == 0, run.stderr
     assert cli("verify", "--src", str(tmp_path / "hf"), "--converted", str(tmp_path / "mc")).returncode == 0
-    bad = cli("hf-to-mcore", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "mc2"), "--tp", "3")
+    bad = cli("hf-to-mcore", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "mc2"), "--format", "legacy",
+              "--tp", "3")
     assert bad.returncode == 2 and "num_attention_heads 4 is not divisible by --tp = 3" in bad.stderr
     for command in ("hf-to-mcore", "mcore-to-hf", "verify", "make-tiny"):
         assert cli(command, "--help").returncode == 0
+
+
+# ---------------------------------------------------------------- the fast writer against the plain reference
+
+
+def _reference_bytes(hf: Path, layout_args: dict, rel: str) -> bytes:
+    """A rank file the plain way: build_tensor (torch.cat of safetensors slices), torch.save to BytesIO."""
+    dims = dims_from_config(load_config(hf))
+    layout = legacy.make_layout(dims, **layout_args)
+    reader = ShardedReader(hf)
+    state = {spec.name: legacy.build_tensor(reader, spec) for spec in legacy.plan(dims, layout)[rel]}
+    buf = io.BytesIO()
+    torch.save({"model": state, "checkpoint_version": 3.0, "iteration": legacy.ITERATION}, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_rank_files_are_the_bytes_of_a_plain_torch_save(hf, tmp_path, layout, direct_io):
+    """Arena tensors, pread, the blocked transposes, O_DIRECT and its padding change no byte."""
+    manifest = legacy.hf_to_legacy(hf, tmp_path, LAYOUTS[layout], direct_io=direct_io, **quiet)
+    ranks = [rel for rel in manifest.files if rel.endswith(".pt")]
+    assert len(ranks) == {"tp1-pp1-ep1": 1, "tp2-pp2-ep2": 8, "tp4-pp2-ep4-extend": 32}[layout]
+    for rel in ranks:
+        expected = _reference_bytes(hf, LAYOUTS[layout], rel)
+        assert (tmp_path / rel).read_bytes() == expected, rel
+        assert manifest.files[rel] == hashlib.sha256(expected).hexdigest(), rel
+
+
+def test_builder_matches_build_tensor_with_large_pieces(tmp_path):
+    """Sizes where torch takes its blocked-transpose path (>= 3600 elements per piece), and fp32 router bias."""
+    src = tmp_path / "hf"
+    make_tiny(src, overrides={"num_hidden_layers": 2, "n_routed_experts": 4, "hidden_size": 256,
+                              "moe_intermediate_size": 96, "intermediate_size": 192}, shards=2, tokenizer=False)
+    dims = dims_from_config(load_config(src))
+    reader = ShardedReader(src)
+    spans = reader_spans(reader)
+    shapes = hf_shapes(dims)
+    fds = {p: os.open(p, os.O_RDONLY) for p in {s.path for s in spans.values()}}
+    builder = legacy.RankBuilder(spans, fds)
+    try:
+        for args in ({"tp": 2, "pp": 1, "ep": 2}, {"tp": 2, "pp": 2, "ep": 2, "tp_extend_ep": True}):
+            for rel, specs in legacy.plan(dims, legacy.make_layout(dims, **args)).items():
+                state = builder.build(specs, shapes)
+                for spec in specs:
+                    want = legacy.build_tensor(reader, spec)
+                    got = state[spec.name]
+                    assert got.dtype == want.dtype and got.shape == want.shape, (rel, spec.name)
+                    assert torch.equal(got, want), (rel, spec.name)
+                    assert got.untyped_storage().nbytes() == want.numel() * want.element_size()  # a storage of its own
+    finally:
+        builder.close()
+        for fd in fds.values():
+            os.close(fd)
+
+
+def test_a_tight_memory_budget_runs_fewer_writers_with_the_same_bytes(hf, tmp_path):
+    free = legacy.hf_to_legacy(hf, tmp_path / "free", LAYOUTS["tp2-pp2-ep2"], workers=2, **quiet)
+    dims = dims_from_config(load_config(hf))
+    layout = legacy.make_layout(dims, **LAYOUTS["tp2-pp2-ep2"])
+    reader = ShardedReader(hf)
+    one = legacy.RankBuilder.memory_needed(reader_spans(reader), hf_shapes(dims), legacy.plan(dims, layout).values())
+    said = []
+    tight = legacy.hf_to_legacy(hf, tmp_path / "tight", LAYOUTS["tp2-pp2-ep2"], workers=2,
+                                max_memory_gb=1.5 * one / 2**30, say=said.append)
+    assert any(line.startswith("1 writer(s), not 2") for line in said), said
+    assert tight.files == free.files
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 8192 + 17])
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_direct_writer_writes_and_hashes_exactly_what_it_is_given(tmp_path, size, buffers):
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = bytes(range(256)) * (size // 256 + 1)
+    data = data[:size]
+    with ThreadPoolExecutor(1) as pool:
+        with DirectWriter(tmp_path / "f", tuple(aligned_buffer(8192) for _ in range(buffers)), io=pool) as out:
+            for i in range(0, size, 3000):  # writes that straddle buffer and block boundaries
+                assert out.write(memoryview(data)[i:i + 3000]) == len(data[i:i + 3000])
+    assert (tmp_path / "f").read_bytes() == data
+    assert out.sha.hexdigest() == hashlib.sha256(data).hexdigest()
+
+
+def test_direct_writer_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with DirectWriter(tmp_path / "f") as out:
+        out.write(b"x" * 5000)
+    assert not out.direct and (tmp_path / "f").read_bytes() == b"x" * 5000
+
+
+def test_a_failed_write_leaves_no_file(hf, tmp_path, monkeypatch):
+    def broken_save(obj, f, *args, **kw):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(legacy.torch, "save", broken_save)
+    with pytest.raises(OSError, match="No space"):
+        legacy.hf_to_legacy(hf, tmp_path, LAYOUTS["tp2-pp2-ep2"], **quiet)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "manifest.json"]
+
+
+def test_direct_writer_carries_on_when_direct_writes_are_refused(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    import fcntl
+
+    real_write, refused = os.write, []
+
+    def picky_write(fd, data):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(len(data))
+            raise OSError(22, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", picky_write)
+    data = os.urandom(3 * 8192 + 100)
+    with DirectWriter(tmp_path / "f", (aligned_buffer(8192),)) as out:
+        out.write(data)
+    assert not out.direct and len(refused) <= 1  # refused once (where open took O_DIRECT), then page cache
+    assert (tmp_path / "f").read_bytes() == data and out.sha.hexdigest() == hashlib.sha256(data).hexdigest()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.weights import fp8, legacy, tiny_cli
+from tools.weights import convert_cli, fp8, tiny_cli
 from tools.weights.io import CheckpointError
 from tools.weights.model import ConfigError
 
@@ -16,13 +16,15 @@ DESCRIPTION = """\
 Prepare DeepSeek-V3/R1 weights for the recipe.
 
   python -m tools.weights fp8-to-bf16 --src DeepSeek-V3 --dst DeepSeek-V3-bf16
+  python -m tools.weights hf-to-mcore --src DeepSeek-V3-bf16 --dst dist_ckpt/     # torch_dist, any layout
   python -m tools.weights hf-to-mcore --src DeepSeek-V3-bf16 --dst ckpt/ --format legacy \\
       --tp 4 --pp 8 --ep 8 --num-layer-list 7,7,8,8,8,8,8,7 --moe-tp-extend-ep
   python -m tools.weights verify --src DeepSeek-V3-bf16 --converted ckpt/ --sample 64
   python -m tools.weights make-tiny --dst tiny/ [--fp8]
 
 Outputs are written atomically with a manifest.json (sha256 per file); --resume continues an
-interrupted run, verifying and skipping finished files. Exit codes: 0 ok, 1 verification found a
+interrupted run, verifying and skipping finished files (torch_dist is one unit: it appears only when
+complete, and an interrupted run starts over). Exit codes: 0 ok, 1 verification found a
 mismatch, 2 bad input or usage.
 """
 
@@ -31,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.weights", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (fp8, legacy, tiny_cli):
+    for module in (fp8, convert_cli, tiny_cli):
         module.register(sub)
     return p
 

@@ -7,6 +7,7 @@ a sha256 per finished file, which is how a resumed run knows what it may skip.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -178,3 +179,198 @@ def progress(total: int, desc: str, unit: str = "B") -> Callable[[int], None] | 
 
     bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024)
     return bar.update
+
+
+# ---------------------------------------------------------------- direct reads (no memory mapping)
+
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class TensorSpan:
+    """Where a tensor's bytes lie in a safetensors file: `offset` from the start of the file."""
+
+    __slots__ = ("path", "offset", "nbytes", "dtype", "shape")
+
+    def __init__(self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.path, self.offset, self.nbytes, self.dtype, self.shape = path, offset, nbytes, dtype, shape
+
+    def row_bytes(self) -> int:
+        """Bytes of one index along dim 0 (the whole tensor for a scalar)."""
+        n = self.dtype.itemsize
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+
+def safetensors_spans(path: Path) -> dict[str, TensorSpan]:
+    """Every tensor of one safetensors file, from its header alone (8-byte length + JSON)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(size))
+    spans = {}
+    for name, entry in head.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {entry['dtype']}, which this tool does not read")
+        begin, end = entry["data_offsets"]
+        spans[name] = TensorSpan(path, 8 + size + begin, end - begin, dtype, tuple(entry["shape"]))
+    return spans
+
+
+def reader_spans(reader: ShardedReader) -> dict[str, TensorSpan]:
+    """`safetensors_spans` of every shard a reader's index names, for the tensors the index maps there."""
+    spans: dict[str, TensorSpan] = {}
+    for shard in reader.shards():
+        path = reader.dir / shard
+        if not path.is_file():
+            raise CheckpointError(f"{reader.dir}: {INDEX} names {shard}, which does not exist")
+        found = safetensors_spans(path)
+        spans.update({name: span for name, span in found.items() if reader.weight_map.get(name) == shard})
+    return spans
+
+
+def pread_into(fd: int, buffer, offset: int, path: object = "file") -> None:
+    """Fill the writable `buffer` from `fd` at `offset` (positional: threads may share the fd).
+
+    One copy from the page cache into memory the caller keeps warm; no mapping, so nothing read
+    stays resident after the caller drops its buffer."""
+    view = memoryview(buffer).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise CheckpointError(f"{path}: ends before byte {offset + len(view)} (truncated?)")
+        done += got
+
+
+BLOCK = 4096  # O_DIRECT wants buffers, offsets and lengths in multiples of the device's block; 4 KiB covers 512 too
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """Page-aligned anonymous memory (what O_DIRECT needs), `nbytes` rounded up to a block."""
+    import mmap
+
+    return memoryview(mmap.mmap(-1, -(-max(nbytes, 1) // BLOCK) * BLOCK))
+
+
+class DirectWriter:
+    """A new binary file written around the page cache (O_DIRECT) and hashed as written.
+
+    Large outputs that this machine will not read back soon (converted checkpoints) otherwise pay a
+    copy into the page cache, the kernel's write-back of it later, and the eviction of pages that
+    were worth keeping (the source shards). Here the bytes go through page-aligned `buffers` (kept
+    by the caller between files so they stay warm) and the device reads them from there. Each piece
+    is hashed right after it is copied, while it is still in the CPU cache. With two buffers and an
+    `io` executor, one buffer is written out while the next fills. The tail is padded to a block for
+    the device and the file truncated to its true length. Where the file system refuses O_DIRECT
+    (tmpfs, some FUSE and network file systems) or `direct` is False, the same bytes are written
+    the ordinary way. `close()` (or the `with` block) finishes the file.
+    """
+
+    PIECE = 1 << 20  # copied and hashed at a time: stays in L2 between the two
+
+    def __init__(self, path: Path | str, buffers: tuple[memoryview, ...] | None = None, direct: bool = True,
+                 io=None):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self.direct = False
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o666)
+                self.direct = True
+            except OSError:
+                pass
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o666)
+        self.buffers = list(buffers) if buffers else [aligned_buffer(16 << 20)]
+        if any(len(b) % BLOCK or len(b) != len(self.buffers[0]) for b in self.buffers):
+            raise ValueError(f"DirectWriter buffers must have one size, a multiple of {BLOCK} bytes")
+        self.io = io if len(self.buffers) > 1 else None
+        self.pending = None  # the write of the other buffer, when one is under way
+        self.buf = self.buffers[0]
+        self.fill = 0
+        self.size = 0
+        self.sha = hashlib.sha256()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        pos, total = 0, len(view)
+        while pos < total:
+            take = min(total - pos, len(self.buf) - self.fill, self.PIECE)
+            end = self.fill + take
+            self.buf[self.fill:end] = view[pos:pos + take]
+            self.sha.update(self.buf[self.fill:end])
+            self.fill, pos = end, pos + take
+            if self.fill == len(self.buf):
+                self._hand_off()
+        self.size += total
+        return total
+
+    def flush(self) -> None:
+        """Nothing reaches the file before `close()` but whole buffers; torch.save calls this."""
+
+    def _write_out(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            try:
+                done += os.write(self.fd, view[done:])
+            except OSError as exc:
+                # some file systems accept O_DIRECT at open and refuse the writes (alignment):
+                # carry on through the page cache; a refused write wrote nothing
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                import fcntl
+
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def _hand_off(self) -> None:
+        """The current buffer is full: write it (in the background if there is another to fill)."""
+        self._wait()
+        if self.io is None:
+            self._write_out(self.buf)
+        else:
+            self.pending = self.io.submit(self._write_out, self.buf)
+            self.buffers.append(self.buffers.pop(0))
+            self.buf = self.buffers[0]
+        self.fill = 0
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            self._wait()
+            if self.fill:
+                tail = self.fill
+                if self.direct:
+                    padded = -(-tail // BLOCK) * BLOCK
+                    self.buf[tail:padded] = bytes(padded - tail)
+                    self._write_out(self.buf[:padded])
+                else:
+                    self._write_out(self.buf[:tail])
+                os.ftruncate(self.fd, self.size)  # drops the padding, if the tail was written with it
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> DirectWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:  # a failed write leaves a partial file for the caller to delete
+            self.fill = 0
+            try:
+                self._wait()
+            except Exception:  # noqa: S110 - the first error is the one to raise
+                pass
+        self.close()

@@ -1,0 +1,408 @@
+"""HF DeepSeek-V3 (bf16) -> Megatron-core `dist_checkpointing` in the torch_dist format.
+
+This is the checkpoint verl loads with `megatron.use_dist_checkpointing=True` and
+`dist_checkpointing_path`, and Megatron reshards it at load time, so one conversion serves every
+TP/PP/EP layout. Megatron stores it through torch.distributed.checkpoint (DCP): each tensor under
+its global key and global shape, as any set of chunks; the loader reads whichever chunks overlap the
+shard a rank asks for. So we never build the model: every HF tensor (or a block of its rows) becomes
+one chunk of the Megatron tensor it belongs to, read from the safetensors shard when DCP writes it.
+
+Keys follow the sharded_state_dict() of the GPT model verl 0.4.0 builds for DeepSeek-V3
+(`verl.models.mcore.model_initializer.DeepseekV3Model`, Transformer Engine layer spec, Megatron-core
+0.12.1): MLA with the q/kv layernorms fused into `linear_q_up_proj` / `linear_kv_up_proj`
+(`layer_norm_weight`), the dense MLP's norm fused into `linear_fc1`, experts under
+`mlp.experts.experts.*` with the expert axis first, gate and up as the two halves of `linear_fc1`
+(Megatron's swiglu layout). Every linear also gets the `_extra_state` object Megatron saves for it
+(None: no FP8 state), so a loader that asks for them finds them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from tools.weights.io import CheckpointError, ShardedReader, progress, sha256
+from tools.weights.model import Dims, dims_from_config, hf_shapes, layer_prefix, load_config
+
+# What megatron.core.dist_checkpointing.save writes as metadata.json for this backend.
+BACKEND_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                  "common_backend": "torch", "common_backend_version": 1}
+COMMON_FILE = "common.pt"  # the non-sharded part of the state dict: empty for a model
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+CHUNK_BYTES = 256 << 20  # larger tensors are written as blocks of rows: bounds each writer's memory
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [row0, row1) of HF tensor `source`, placed at `offset` of the Megatron tensor."""
+
+    source: str
+    row0: int
+    row1: int
+    offset: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DistTensor:
+    key: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+def chunk_size(chunk: Chunk, tensor: DistTensor, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    lead = len(tensor.shape) - len(hf_shape)  # the expert axis, absent from the HF tensor
+    return (1,) * lead + (chunk.row1 - chunk.row0, *hf_shape[1:])
+
+
+def plan(dims: Dims, shapes: dict[str, tuple[int, ...]], itemsize: int = 2,
+         chunk_bytes: int = CHUNK_BYTES) -> list[DistTensor]:
+    """Every Megatron tensor of the checkpoint, in a fixed order, with the HF chunks that fill it."""
+    out: list[DistTensor] = []
+
+    def add(key: str, shape: tuple[int, ...], *parts: tuple[str, tuple[int, ...]]) -> None:
+        chunks = []
+        for source, offset in parts:
+            rows, *rest = shapes[source]
+            axis = len(offset) - len(shapes[source])  # the row axis, after any expert axis
+            step = max(1, chunk_bytes // max(1, itemsize * _prod(rest)))
+            for r in range(0, rows, step):
+                at = list(offset)
+                at[axis] += r
+                chunks.append(Chunk(source, r, min(rows, r + step), tuple(at)))
+        out.append(DistTensor(key, shape, tuple(chunks)))
+
+    def whole(key: str, source: str) -> None:
+        add(key, shapes[source], (source, (0,) * len(shapes[source])))
+
+    def gated(key: str, hf: str | list[str]) -> None:
+        """fc1 = [gate; up] (Megatron's swiglu halves), fc2 = down; a list of HF prefixes (experts)
+        stacks them along a leading expert axis."""
+        prefixes = [hf] if isinstance(hf, str) else hf
+        inner, hidden = shapes[f"{prefixes[0]}.gate_proj.weight"]
+        lead = () if isinstance(hf, str) else (len(prefixes),)
+        at = [() if isinstance(hf, str) else (e,) for e in range(len(prefixes))]
+        add(f"{key}.linear_fc1.weight", (*lead, 2 * inner, hidden),
+            *[part for p, e in zip(prefixes, at, strict=True) for part in ((f"{p}.gate_proj.weight", (*e, 0, 0)),
+                                                            (f"{p}.up_proj.weight", (*e, inner, 0)))])
+        add(f"{key}.linear_fc2.weight", (*lead, hidden, inner),
+            *[(f"{p}.down_proj.weight", (*e, 0, 0)) for p, e in zip(prefixes, at, strict=True)])
+
+    whole("embedding.word_embeddings.weight", "model.embed_tokens.weight")
+    for layer in range(dims.layers):
+        hf, mc = layer_prefix(layer), f"decoder.layers.{layer}"
+        att, hatt = f"{mc}.self_attention", f"{hf}.self_attn"
+        whole(f"{mc}.input_layernorm.weight", f"{hf}.input_layernorm.weight")
+        whole(f"{att}.linear_q_down_proj.weight", f"{hatt}.q_a_proj.weight")
+        whole(f"{att}.linear_q_up_proj.weight", f"{hatt}.q_b_proj.weight")
+        whole(f"{att}.linear_q_up_proj.layer_norm_weight", f"{hatt}.q_a_layernorm.weight")
+        whole(f"{att}.linear_kv_down_proj.weight", f"{hatt}.kv_a_proj_with_mqa.weight")
+        whole(f"{att}.linear_kv_up_proj.weight", f"{hatt}.kv_b_proj.weight")
+        whole(f"{att}.linear_kv_up_proj.layer_norm_weight", f"{hatt}.kv_a_layernorm.weight")
+        whole(f"{att}.linear_proj.weight", f"{hatt}.o_proj.weight")
+        if not dims.is_moe(layer):
+            whole(f"{mc}.mlp.linear_fc1.layer_norm_weight", f"{hf}.post_attention_layernorm.weight")
+            gated(f"{mc}.mlp", f"{hf}.mlp")
+            continue
+        whole(f"{mc}.pre_mlp_layernorm.weight", f"{hf}.post_attention_layernorm.weight")
+        whole(f"{mc}.mlp.router.weight", f"{hf}.mlp.gate.weight")
+        whole(f"{mc}.mlp.router.expert_bias", f"{hf}.mlp.gate.e_score_correction_bias")
+        gated(f"{mc}.mlp.experts.experts", [f"{hf}.mlp.experts.{e}" for e in range(dims.experts)])
+        if dims.shared_experts:
+            gated(f"{mc}.mlp.shared_experts", f"{hf}.mlp.shared_experts")
+    whole("decoder.final_layernorm.weight", "model.norm.weight")
+    if not dims.tie_embeddings:
+        whole("output_layer.weight", "lm_head.weight")
+    return out
+
+
+def extra_state_keys(dims: Dims) -> list[str]:
+    """DCP names of the `_extra_state` objects Megatron saves, one per linear (and TE's attention).
+
+    A ShardedObject is stored under `<key>/shard_<offset>_<shape>`; experts carry the expert axis.
+    """
+    out = []
+    for layer in range(dims.layers):
+        mc = f"decoder.layers.{layer}"
+        linears = [f"{mc}.self_attention.{n}" for n in ("linear_q_down_proj", "linear_q_up_proj",
+                                                        "linear_kv_down_proj", "linear_kv_up_proj",
+                                                        "linear_proj", "core_attention")]
+        if not dims.is_moe(layer):
+            linears += [f"{mc}.mlp.linear_fc1", f"{mc}.mlp.linear_fc2"]
+        elif dims.shared_experts:
+            linears += [f"{mc}.mlp.shared_experts.linear_fc1", f"{mc}.mlp.shared_experts.linear_fc2"]
+        out += [f"{name}._extra_state/shard_0_1" for name in linears]
+        if dims.is_moe(layer):
+            out += [f"{mc}.mlp.experts.experts.linear_fc{i}._extra_state/shard_{e}_{dims.experts}"
+                    for e in range(dims.experts) for i in (1, 2)]
+    return out
+
+
+def _prod(values) -> int:
+    n = 1
+    for v in values:
+        n *= v
+    return n
+
+
+def _none_object() -> bytes:
+    """What Megatron stores for a ShardedObject whose data is None: torch.save of the list of data."""
+    buffer = io.BytesIO()
+    torch.save([None], buffer)
+    return buffer.getvalue()
+
+
+class _Source:
+    """Thread-local readers over the HF checkpoint (DCP writes with several threads)."""
+
+    def __init__(self, reader: ShardedReader):
+        self.reader, self.local = reader, threading.local()
+
+    def rows(self, chunk: Chunk) -> torch.Tensor:
+        if not hasattr(self.local, "reader"):
+            self.local.reader = self.reader.fresh()
+        return self.local.reader.slice(chunk.source)[chunk.row0:chunk.row1]
+
+
+class _LazySavePlanner(SavePlanner):
+    """Write items made from the plan; each chunk's bytes are read from HF only when DCP writes it."""
+
+    def __init__(self, tensors: list[DistTensor], objects: list[str], shapes: dict, dtypes: dict,
+                 source: _Source, advance: Callable[[int], None] | None):
+        self.tensors, self.objects, self.shapes, self.dtypes = tensors, objects, shapes, dtypes
+        self.source, self.advance = source, advance
+        self.chunks: dict[MetadataIndex, tuple[Chunk, tuple[int, ...]]] = {}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for tensor in self.tensors:
+            dtype = self.dtypes[tensor.chunks[0].source]
+            for chunk in tensor.chunks:
+                size = chunk_size(chunk, tensor, self.shapes[chunk.source])
+                index = MetadataIndex(tensor.key, torch.Size(chunk.offset))
+                self.chunks[index] = (chunk, size)
+                items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offset), sizes=torch.Size(size)),
+                    properties=TensorProperties(dtype=dtype), size=torch.Size(tensor.shape))))
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]
+        return SavePlan(items)
+
+    def create_global_plan(self, all_plans):
+        plans, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)
+        metadata.mcore_data = {t.key: {} for t in self.tensors}  # what Megatron's planner records
+        return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(_none_object())
+        chunk, size = self.chunks[write_item.index]
+        data = self.source.rows(chunk).reshape(size).contiguous()
+        if self.advance:
+            self.advance(data.numel() * data.element_size())
+        return data
+
+
+class _DeterministicWriter(FileSystemWriter):
+    """DCP stamps ids and paths into .metadata (StorageMeta); we store none, so the same input always
+    gives the same bytes (Megatron does not read it)."""
+
+    def storage_meta(self):
+        return None
+
+    def finish(self, metadata, results) -> None:
+        # Writer threads report in the order they finish: store the item locations in file order.
+        ordered = sorted((r for rs in results for r in rs),
+                         key=lambda r: (r.storage_data.relative_path, r.storage_data.offset))
+        super().finish(metadata, [ordered])
+
+
+def _dtypes(reader: ShardedReader, names) -> dict[str, torch.dtype]:
+    out = {}
+    for name in names:
+        kind = reader.slice(name).get_dtype()
+        if kind not in DTYPES:
+            raise CheckpointError(f"{reader.dir}: tensor {name!r} is {kind}; torch_dist conversion takes"
+                                  " bf16/fp16/fp32 weights (convert DeepSeek's FP8 release first:"
+                                  " python -m tools.weights fp8-to-bf16)")
+        out[name] = DTYPES[kind]
+    return out
+
+
+def check_source(reader: ShardedReader, dims: Dims) -> dict[str, tuple[int, ...]]:
+    expected = hf_shapes(dims)
+    for name, shape in expected.items():
+        got = reader.shape(name)
+        if got != shape:
+            raise CheckpointError(f"{reader.dir}: tensor {name!r} has shape {list(got)},"
+                                  f" config.json implies {list(shape)}")
+    return expected
+
+
+def header(config: dict, chunk_bytes: int) -> dict:
+    return {"format": "torch_dist", "config": config, "chunk_bytes": chunk_bytes,
+            "torch": torch.__version__.split("+")[0]}
+
+
+def _finished(dst: Path, head: dict) -> bool:
+    manifest = dst / "manifest.json"
+    if not manifest.is_file():
+        return False
+    recorded = json.loads(manifest.read_text())
+    return recorded.get("header") == json.loads(json.dumps(head)) and all(
+        (dst / rel).is_file() and sha256(dst / rel) == digest for rel, digest in recorded["files"].items())
+
+
+def hf_to_torch_dist(src: Path, dst: Path, *, resume: bool = False, workers: int = 2,
+                     chunk_bytes: int = CHUNK_BYTES, say=print) -> None:
+    """Convert; the checkpoint appears at `dst` only when complete (built in `<dst>.partial`)."""
+    config = load_config(src)
+    dims = dims_from_config(config, str(src / "config.json"))
+    head = header(config, chunk_bytes)
+    if dst.exists() and any(dst.iterdir()):
+        if not resume:
+            raise CheckpointError(f"{dst} is not empty; pass --resume to check a previous conversion there,"
+                                  " or choose an empty destination")
+        if _finished(dst, head):
+            say(f"{dst}: already converted (manifest verified), nothing to do")
+            return
+        raise CheckpointError(f"{dst} holds something other than a finished conversion of {src};"
+                              " choose an empty destination")
+    reader = ShardedReader(src)
+    shapes = check_source(reader, dims)
+    dtypes = _dtypes(reader, shapes)
+    tensors = plan(dims, shapes, chunk_bytes=chunk_bytes)
+    objects = extra_state_keys(dims)
+    total = sum(_prod(shapes[n]) * dtypes[n].itemsize for n in shapes)
+    partial = dst.with_name(dst.name + ".partial")
+    # torch_dist is one logical unit (one .metadata for all files): an interrupted run starts over.
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    say(f"writing {len(tensors)} tensors ({total / 2**30:.2f} GiB) and {len(objects)} objects to {dst}")
+    planner = _LazySavePlanner(tensors, objects, shapes, dtypes, _Source(reader), progress(total, "torch_dist"))
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_save({}, storage_writer=_DeterministicWriter(partial, thread_count=max(1, workers)), planner=planner,
+                 no_dist=True)
+    torch.save({}, partial / COMMON_FILE)
+    (partial / "metadata.json").write_text(json.dumps(BACKEND_CONFIG))
+    files = {p.name: sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+    manifest = {"header": head, "files": files}
+    (partial / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    if dst.exists():
+        dst.rmdir()  # empty (checked above)
+    os.replace(partial, dst)
+    say(f"done: {dst} ({len(files)} files)")
+
+
+class _CompareLoadPlanner(LoadPlanner):
+    """Read back every chunk the plan wrote and hand it to `check` (one chunk in memory at a time)."""
+
+    def __init__(self, tensors: list[DistTensor], shapes: dict, dtypes: dict, check: Callable):
+        self.tensors, self.shapes, self.dtypes, self.check = tensors, shapes, dtypes, check
+        self.chunks: dict[MetadataIndex, Chunk] = {}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for tensor in self.tensors:
+            stored = self.metadata.state_dict_metadata.get(tensor.key)
+            if stored is None or tuple(stored.size) != tensor.shape:
+                self.check(tensor.key, None, f"missing or shaped {None if stored is None else list(stored.size)},"
+                                             f" expected {list(tensor.shape)}")
+                continue
+            for chunk in tensor.chunks:
+                index = MetadataIndex(tensor.key, torch.Size(chunk.offset))
+                size = chunk_size(chunk, tensor, self.shapes[chunk.source])
+                self.chunks[index] = chunk
+                zero = torch.Size([0] * len(size))
+                items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zero,
+                                      storage_index=index, storage_offsets=zero, lengths=torch.Size(size)))
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        pass
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        chunk = self.chunks[read_item.dest_index]
+        return torch.empty(tuple(read_item.lengths), dtype=self.dtypes[chunk.source])
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self.check(read_item.dest_index.fqn, self.chunks[read_item.dest_index], tensor)
+
+
+def verify_torch_dist(src: Path, converted: Path, sample: int | None = None, seed: int = 0,
+                      say=print) -> list[str]:
+    """Compare every stored chunk (of `sample` random tensors, if given) bit-exact with the HF rows it
+    came from; return the mismatches, each naming the Megatron key, its offset and the HF tensor."""
+    dims = dims_from_config(load_config(src), str(src / "config.json"))
+    reader = ShardedReader(src)
+    shapes = check_source(reader, dims)
+    dtypes = _dtypes(reader, shapes)
+    try:
+        chunk_bytes = json.loads((converted / "manifest.json").read_text())["header"]["chunk_bytes"]
+    except (OSError, KeyError, ValueError):
+        raise CheckpointError(f"{converted}: no manifest.json from hf-to-mcore --format torch_dist") from None
+    tensors = plan(dims, shapes, chunk_bytes=chunk_bytes)
+    if sample is not None and sample < len(tensors):
+        tensors = random.Random(seed).sample(tensors, sample)
+    problems: list[str] = []
+
+    def check(key: str, chunk: Chunk | None, got) -> None:
+        if chunk is None:
+            problems.append(f"{key}: {got}")
+            return
+        want = reader.slice(chunk.source)[chunk.row0:chunk.row1]
+        if not torch.equal(got.reshape(want.shape), want):
+            problems.append(f"{key} at {list(chunk.offset)}: differs from {chunk.source}"
+                            f" rows {chunk.row0}:{chunk.row1}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_load({}, storage_reader=FileSystemReader(converted),
+                 planner=_CompareLoadPlanner(tensors, shapes, dtypes, check), no_dist=True)
+    say(f"{converted}: {len(tensors)} tensors checked, {len(problems)} mismatches"
+        + (f"; first: {problems[0]}" if problems else ""))
+    return problems
