@@ -127,3 +127,25 @@ def test_a_run_with_missing_inputs_stops_before_starting_anything(tmp_path, caps
     out = capsys.readouterr().out
     assert rc == run.EXIT_CHECK and "error: data.train_files" in out
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
+def test_every_profile_scores_with_the_strict_reward_through_verls_loader(path, tmp_path):
+    """verl.trainer.ppo.reward.get_custom_reward_fn on the config the trainer gets, in a fresh process
+    whose working directory is not ours (as under a Ray job)."""
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    verl_cfg = config.verl_config(config.load(path).cfg, config.verl_base())
+    assert Path(verl_cfg.custom_reward_function.path).is_absolute()
+    OmegaConf.save(verl_cfg, tmp_path / "verl.yaml")
+    script = (
+        "import sys\nfrom omegaconf import OmegaConf\nfrom verl.trainer.ppo.reward import get_custom_reward_fn\n"
+        "fn = get_custom_reward_fn(OmegaConf.load(sys.argv[1]))\n"
+        "print(fn('deepscaler', r'so \\boxed{\\dfrac{1}{2}}', '0.5', {}), fn('deepscaler', 'year 2024, 7', '2', {}))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "verl.yaml")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "1.0 0.0"

@@ -19,6 +19,8 @@ VERL_CONFIG = "verl/trainer/config/ppo_megatron_trainer.yaml"
 EXTENSION_PREFIXES = ("launch.", "recipe.", "actor_rollout_ref.actor.megatron.", "actor_rollout_ref.ref.megatron.")
 REBALANCE = "recipe.rollout.rebalance"
 KV_TRANSFER_MODES = ("ship", "reprefill")  # verl/workers/rollout/rebalance/migrate.py (our verl series)
+RESHARD = "actor_rollout_ref.rollout.reshard"  # verl/utils/reshard/weight_sync.py (our verl series)
+RESHARD_MODES = ("directed", "gather")
 REQUIRED_LAUNCH = ("launch.nodes", "launch.devices_per_node", "launch.accelerator", "launch.env_profile",
                    "launch.ray.port", "launch.ray.dashboard_port")
 
@@ -55,6 +57,7 @@ def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
                               " (nodes, devices_per_node, accelerator, env_profile, ray.port, ray.dashboard_port)")
     try:
         rebalance_settings(cfg)
+        reshard_settings(cfg)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return Recipe(path.resolve(), cfg, tuple(overrides))
@@ -108,6 +111,39 @@ def rebalance_settings(cfg: DictConfig) -> Rebalance:
         raise ConfigError(f"{REBALANCE}.enable is true but recipe.rollout.data_parallel_size is {dp}: rebalancing"
                           " moves sequences between DP engines and needs at least 2")
     return Rebalance(enable, interval, tuple(buckets), float(cap), mode)
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """actor_rollout_ref.rollout.reshard: the train -> rollout weight-sync path (verl's yaml: gather)."""
+
+    tp_pp: str = "gather"  # directed: per layer slot, gather in TP, one all_to_all over PP
+    fallback: bool = False  # no directed plan for the layout: gather (true) or stop (false)
+
+
+def reshard_settings(cfg: DictConfig) -> Reshard:
+    """The reshard block, checked as the worker will check it, plus the layout limit it checks only at
+    start-up (no directed plan with a virtual pipeline), so that a run stops here rather than on the cluster."""
+    block = value(cfg, RESHARD)
+    if block is None:
+        return Reshard()
+    if not isinstance(block, dict):
+        raise ConfigError(f"{RESHARD} must be a mapping of {', '.join(Reshard.__dataclass_fields__)}")
+    unknown = sorted(set(block) - set(Reshard.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"{RESHARD}.{unknown[0]} is not a reshard setting; known: "
+                          f"{', '.join(Reshard.__dataclass_fields__)}")
+    r = Reshard(**block)
+    if r.tp_pp not in RESHARD_MODES:
+        raise ConfigError(f"{RESHARD}.tp_pp must be one of {', '.join(RESHARD_MODES)}, got {r.tp_pp!r}")
+    if not isinstance(r.fallback, bool):
+        raise ConfigError(f"{RESHARD}.fallback must be true or false, got {r.fallback!r}")
+    vpp = value(cfg, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size")
+    if r.tp_pp == "directed" and not r.fallback and isinstance(vpp, int) and vpp > 1:
+        raise ConfigError(f"{RESHARD}.tp_pp=directed has no plan with a virtual pipeline"
+                          f" (actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size = {vpp}):"
+                          f" set {RESHARD}.tp_pp=gather or {RESHARD}.fallback=true")
+    return r
 
 
 def verl_base(root: Path = ROOT) -> DictConfig:
@@ -178,6 +214,10 @@ def verl_config(cfg: DictConfig, base: DictConfig) -> DictConfig:
     merged = OmegaConf.merge(base, cfg)
     container = OmegaConf.to_container(merged, resolve=True)
     container.pop("launch", None)
+    reward = container.get("custom_reward_function") or {}
+    if reward.get("path") and not Path(reward["path"]).is_absolute():
+        # verl opens it from the trainer's working directory, which a Ray job does not set to ours
+        reward["path"] = str(ROOT / reward["path"])
     return OmegaConf.create(container)
 
 
