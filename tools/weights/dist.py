@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from tools.weights.io import CheckpointError, ShardedReader, progress, sha256
+from tools.weights.io import CheckpointError, ShardedReader, pread_into, progress, reader_spans, sha256
 from tools.weights.model import Dims, dims_from_config, hf_shapes, layer_prefix, load_config
 
 # What megatron.core.dist_checkpointing.save writes as metadata.json for this backend.
@@ -182,15 +182,31 @@ def _none_object() -> bytes:
 
 
 class _Source:
-    """Thread-local readers over the HF checkpoint (DCP writes with several threads)."""
+    """Reads row blocks of HF tensors with pread: nothing is mapped, so the bytes of a block leave
+    memory once DCP has written it (a mapping would keep every page touched resident)."""
 
     def __init__(self, reader: ShardedReader):
-        self.reader, self.local = reader, threading.local()
+        self.spans = reader_spans(reader)
+        self.fds: dict[Path, int] = {}
+        self.lock = threading.Lock()
+
+    def _fd(self, path: Path) -> int:
+        with self.lock:
+            if path not in self.fds:
+                self.fds[path] = os.open(path, os.O_RDONLY)
+            return self.fds[path]
 
     def rows(self, chunk: Chunk) -> torch.Tensor:
-        if not hasattr(self.local, "reader"):
-            self.local.reader = self.reader.fresh()
-        return self.local.reader.slice(chunk.source)[chunk.row0:chunk.row1]
+        span = self.spans[chunk.source]
+        row = span.row_bytes()
+        out = torch.empty((chunk.row1 - chunk.row0) * row, dtype=torch.uint8)
+        pread_into(self._fd(span.path), out.numpy(), span.offset + chunk.row0 * row, span.path)
+        return out.view(span.dtype).reshape(chunk.row1 - chunk.row0, *span.shape[1:])
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 class _LazySavePlanner(SavePlanner):
@@ -313,11 +329,15 @@ def hf_to_torch_dist(src: Path, dst: Path, *, resume: bool = False, workers: int
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     say(f"writing {len(tensors)} tensors ({total / 2**30:.2f} GiB) and {len(objects)} objects to {dst}")
-    planner = _LazySavePlanner(tensors, objects, shapes, dtypes, _Source(reader), progress(total, "torch_dist"))
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp_save({}, storage_writer=_DeterministicWriter(partial, thread_count=max(1, workers)), planner=planner,
-                 no_dist=True)
+    source = _Source(reader)
+    planner = _LazySavePlanner(tensors, objects, shapes, dtypes, source, progress(total, "torch_dist"))
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_save({}, storage_writer=_DeterministicWriter(partial, thread_count=max(1, workers)),
+                     planner=planner, no_dist=True)
+    finally:
+        source.close()
     torch.save({}, partial / COMMON_FILE)
     (partial / "metadata.json").write_text(json.dumps(BACKEND_CONFIG))
     files = {p.name: sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
