@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
-import torch.multiprocessing as mp
+
+from tests.gloo import run_processes
 
 
 def require(module: str):
@@ -17,22 +16,6 @@ def require(module: str):
                     " (nox -s tests does both)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_forked(worker, world: int, *args) -> dict:
-    """Run `worker(rank, port, *args, results)` in `world` processes; returns results[rank] by rank.
-
-    Fork, not spawn: the workers inherit the imported modules (importing verl costs seconds each).
-    The workers start gloo on 127.0.0.1:port themselves.
-    """
-    with mp.Manager() as manager:  # its server process ends here, not at interpreter exit
-        results = manager.dict()
-        mp.start_processes(worker, args=(free_port(), *args, results), nprocs=world, join=True,
-                           start_method="fork")
-        collected = dict(results)
-    assert len(collected) == world, f"only ranks {sorted(collected)} reported"
-    return collected
+    """`worker(rank, port, *args, results)` in `world` forked processes (see tests/gloo.py)."""
+    return run_processes(worker, world, *args)

@@ -14,13 +14,14 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
-import socket
 import sys
 import types
 from pathlib import Path
 from unittest import mock
 
 import pytest
+
+from tests.gloo import run_processes
 
 os.environ.setdefault("VLLM_PLUGINS", "none")  # never let a platform plugin pick a device here
 
@@ -116,24 +117,7 @@ def series_python_files() -> list[str]:
     return files
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_forked(worker, world: int, *args) -> dict:
-    """Run `worker(rank, port, *args, results)` in `world` forked processes; results by rank.
-
-    Fork: the workers inherit the imported (stubbed) vLLM-Ascend modules, and whatever a worker
-    patches stays in that worker. Each starts gloo on 127.0.0.1:port itself.
-    """
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(worker, args=(free_port(), *args, results), nprocs=world, join=True,
-                           start_method="fork")
-        collected = dict(results)
-    assert len(collected) == world, f"only ranks {sorted(collected)} reported"
-    return collected
+    """Fork, so that the workers inherit the imported (stubbed) vLLM-Ascend modules, and whatever a
+    worker patches stays in that worker (see tests/gloo.py)."""
+    return run_processes(worker, world, *args)

@@ -10,13 +10,12 @@ dispatcher hold no weights and are swapped for CPU-capable ones.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.gloo import run_processes
 from tools.weights import dist
 from tools.weights.io import CheckpointError, ShardedReader
 from tools.weights.tiny import make_tiny
@@ -110,12 +109,6 @@ def test_cli_converts_verifies_and_refuses_layout_flags(hf, tmp_path, capsys):
 
 
 # --- loading into Megatron-core's model -------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def build_model(hf_dir: Path):
     """verl's DeepSeek-V3 GPTModel (config from verl's converter) on CPU; see the module docstring."""
@@ -234,12 +227,8 @@ def _load_worker(rank, port, world, tp, ep, hf_dir, ckpt, results):
 def test_megatron_core_model_loads_it_bit_exact(hf, converted, tp, ep, world):
     pytest.importorskip("megatron.core")
     pytest.importorskip("verl.models.mcore.config_converter")
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_load_worker, args=(_free_port(), world, tp, ep, str(hf), str(converted), results),
-                           nprocs=world, join=True, start_method="spawn")  # fork after DCP's writer threads can hang
-        results = dict(results)
-    assert sorted(results) == list(range(world))
+    # spawn: forking after DCP's writer threads ran in this process can hang
+    results = run_processes(_load_worker, world, tp, ep, str(hf), str(converted), start_method="spawn")
     for rank, r in results.items():
         assert r["unexpected"] == [], f"rank {rank}: model asks for keys the checkpoint lacks"
         assert r["bad"] == [] and r["untested"] == [] and r["checked"] > 20, (rank, r)

@@ -63,6 +63,21 @@ def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     return Recipe(path.resolve(), cfg, tuple(overrides))
 
 
+def settings_block(cfg: DictConfig, key: str, fields) -> dict | None:
+    """The mapping at `key` (None when absent), refusing keys that are not fields of the dataclass `fields`:
+    our blocks live under open prefixes, where a misspelt key would otherwise pass unnoticed."""
+    block = value(cfg, key)
+    if block is None:
+        return None
+    known = ", ".join(fields.__dataclass_fields__)
+    if not isinstance(block, dict):
+        raise ConfigError(f"{key} must be a mapping of {known}")
+    unknown = sorted(set(block) - set(fields.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]} is not a {key.rsplit('.', 1)[-1]} setting; known: {known}")
+    return block
+
+
 @dataclass(frozen=True)
 class Rebalance:
     """recipe.rollout.rebalance: move live sequences between vLLM DP engines (our verl series, rebalance/)."""
@@ -77,15 +92,9 @@ class Rebalance:
 def rebalance_settings(cfg: DictConfig) -> Rebalance:
     """The rebalance block, checked: every key known, every value in range. Absent = off. recipe.* is open
     to our forks' settings, so a misspelt key here would otherwise pass unnoticed."""
-    block = value(cfg, REBALANCE)
+    block = settings_block(cfg, REBALANCE, Rebalance)
     if block is None:
         return Rebalance()
-    if not isinstance(block, dict):
-        raise ConfigError(f"{REBALANCE} must be a mapping of {', '.join(Rebalance.__dataclass_fields__)}")
-    unknown = sorted(set(block) - set(Rebalance.__dataclass_fields__))
-    if unknown:
-        raise ConfigError(f"{REBALANCE}.{unknown[0]} is not a rebalance setting; known: "
-                          f"{', '.join(Rebalance.__dataclass_fields__)}")
     r = Rebalance()
     enable, interval = block.get("enable", r.enable), block.get("check_interval", r.check_interval)
     buckets, cap = block.get("buckets", list(r.buckets)), block.get("kv_usage_cap", r.kv_usage_cap)
@@ -124,15 +133,9 @@ class Reshard:
 def reshard_settings(cfg: DictConfig) -> Reshard:
     """The reshard block, checked as the worker will check it, plus the layout limit it checks only at
     start-up (no directed plan with a virtual pipeline), so that a run stops here rather than on the cluster."""
-    block = value(cfg, RESHARD)
+    block = settings_block(cfg, RESHARD, Reshard)
     if block is None:
         return Reshard()
-    if not isinstance(block, dict):
-        raise ConfigError(f"{RESHARD} must be a mapping of {', '.join(Reshard.__dataclass_fields__)}")
-    unknown = sorted(set(block) - set(Reshard.__dataclass_fields__))
-    if unknown:
-        raise ConfigError(f"{RESHARD}.{unknown[0]} is not a reshard setting; known: "
-                          f"{', '.join(Reshard.__dataclass_fields__)}")
     r = Reshard(**block)
     if r.tp_pp not in RESHARD_MODES:
         raise ConfigError(f"{RESHARD}.tp_pp must be one of {', '.join(RESHARD_MODES)}, got {r.tp_pp!r}")
