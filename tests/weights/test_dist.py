@@ -228,7 +228,7 @@ def test_megatron_core_model_loads_it_bit_exact(hf, converted, tp, ep, world):
     pytest.importorskip("megatron.core")
     pytest.importorskip("verl.models.mcore.config_converter")
     # spawn: forking after DCP's writer threads ran in this process can hang
-    results = run_processes(_load_worker, world, tp, ep, str(hf), str(converted), start_method="spawn")
+    results = run_processes(_load_worker, world, world, tp, ep, str(hf), str(converted), start_method="spawn")
     for rank, r in results.items():
         assert r["unexpected"] == [], f"rank {rank}: model asks for keys the checkpoint lacks"
         assert r["bad"] == [] and r["untested"] == [] and r["checked"] > 20, (rank, r)
