@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.verl.conftest import require, run_forked
+from tests.gloo import run_processes
+from tests.verl.conftest import require
 from tests.verl.test_reshard_tp_pp_gloo import full_tensor, global_name, shard, stage_params
 
 weight_sync = require("verl.utils.reshard.weight_sync")
@@ -86,7 +87,9 @@ def _worker(rank, port, world, tp, pp, layers, dense, results):
     (8, 2, 4, [1, 2, 2, 3], 2),
 ])
 def test_directed_generator_yields_what_per_tensor_generator_yields(world, tp, pp, layers, dense):
-    results = run_forked(_worker, world, world, tp, pp, layers, dense)
+    # spawn, not fork: Megatron's parallel state in a child forked from a process that already ran a
+    # process group (tests/megatron does, in this pytest process) can hang in initialize_model_parallel
+    results = run_processes(_worker, world, world, tp, pp, layers, dense, start_method="spawn")
     for rank, r in sorted(results.items()):
         assert r["bad"] == [], f"rank {rank}: {r['bad'][:5]} differ from per_tensor_generator"
         assert len(r["got_names"]) == len(set(r["got_names"])), f"rank {rank}: a name is yielded twice"
