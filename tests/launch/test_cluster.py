@@ -18,21 +18,16 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from tests.gloo import free_port  # noqa: E402
 from tests.launch.conftest import CONFIGS  # noqa: E402
 from tools.launch import cluster, config, env, run  # noqa: E402
 
 NODE = {"num_cpus": 1, "resources": {"NPU": 2}, "object_store_memory": 80 * 2**20}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def three_nodes():
-    dash = _free_port()
+    dash = free_port()
     c = Cluster(initialize_head=True, head_node_args={**NODE, "node_ip_address": "127.0.0.1",
                                                       "include_dashboard": True, "dashboard_host": "127.0.0.1",
                                                       "dashboard_port": dash})
@@ -87,7 +82,7 @@ def test_head_runs_the_job_end_to_end_and_stops_only_its_own_ray(three_nodes, tm
     """run_head as the real run does it (ray start --head --block from the plan, wait, Jobs API, stop), with a
     dummy entrypoint in place of verl's trainer. The module's cluster, which it did not start, stays up."""
     c, _ = three_nodes
-    port, dash, agent, metrics = (_free_port() for _ in range(4))
+    port, dash, agent, metrics = (free_port() for _ in range(4))
     # a second Ray on this machine: its agent and metrics need ports of their own
     extra = f"[--dashboard-agent-listen-port={agent},--metrics-export-port={metrics}]"
     recipe = config.load(CONFIGS / "cpu-tiny.yaml", ["launch.accelerator=a3", f"launch.ray.port={port}",
@@ -117,7 +112,7 @@ def _alive(c) -> list:
 
 
 def test_join_retries_with_backoff_then_names_the_head():
-    port = _free_port()
+    port = free_port()
     slept: list[float] = []
     with pytest.raises(cluster.ClusterError, match=f"127.0.0.1:{port} did not answer after 4 attempts"):
         cluster.wait_for_port("127.0.0.1", port, attempts=4, backoff_s=1, max_backoff_s=3, sleep=slept.append,

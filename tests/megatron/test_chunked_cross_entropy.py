@@ -8,7 +8,6 @@ the logits. Runs on CPU with a one-rank gloo group and model parallel sizes (1, 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
@@ -24,6 +23,8 @@ except ImportError as exc:  # megatron-core absent, or our fork patch not applie
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from tests.gloo import free_port  # noqa: E402
+
 SEQ, BATCH, VOCAB = 8, 2, 5000  # 5000 is not a multiple of the 1024-column chunk
 # Tolerances against the plain implementation. The loss differs only by the order of the
 # fp32 summation of exp(); the gradient is a softmax in [0, 1] (fp32 for fp32 logits, and
@@ -34,19 +35,13 @@ TOL = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tp1():
     """torch.distributed on gloo with one rank, Megatron model parallel (1, 1)."""
     created = not torch.distributed.is_initialized()
     if created:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     yield

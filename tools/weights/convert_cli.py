@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from tools.weights import dist, legacy
-from tools.weights.io import CheckpointError
+from tools.weights.io import CheckpointError, ShardedReader
 from tools.weights.model import ConfigError, dims_from_config, load_config
 
 LAYOUT_FLAGS = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "num_layer_list": "--num-layer-list",
@@ -98,8 +98,6 @@ def _torch_dist(args: argparse.Namespace) -> int:
     chunk_bytes = max(1 << 20, min(dist.CHUNK_BYTES, int(args.max_memory * 2**30) // (2 * max(1, args.workers))))
     if args.dry_run:
         dims = dims_from_config(load_config(args.src))
-        from tools.weights.io import ShardedReader
-
         shapes = dist.check_source(ShardedReader(args.src), dims)
         tensors = dist.plan(dims, shapes, chunk_bytes=chunk_bytes)
         print(f"{len(tensors)} tensors in {sum(len(t.chunks) for t in tensors)} chunks"

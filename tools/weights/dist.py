@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import random
 import shutil
@@ -51,14 +52,22 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from tools.weights.io import CheckpointError, ShardedReader, pread_into, progress, reader_spans, sha256
+from tools.weights.io import (
+    CheckpointError,
+    ShardedReader,
+    TensorSpan,
+    pread_into,
+    progress,
+    reader_spans,
+    sha256,
+)
 from tools.weights.model import Dims, dims_from_config, hf_shapes, layer_prefix, load_config
 
 # What megatron.core.dist_checkpointing.save writes as metadata.json for this backend.
 BACKEND_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                   "common_backend": "torch", "common_backend_version": 1}
 COMMON_FILE = "common.pt"  # the non-sharded part of the state dict: empty for a model
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CHUNK_BYTES = 256 << 20  # larger tensors are written as blocks of rows: bounds each writer's memory
 
 
@@ -94,7 +103,7 @@ def plan(dims: Dims, shapes: dict[str, tuple[int, ...]], itemsize: int = 2,
         for source, offset in parts:
             rows, *rest = shapes[source]
             axis = len(offset) - len(shapes[source])  # the row axis, after any expert axis
-            step = max(1, chunk_bytes // max(1, itemsize * _prod(rest)))
+            step = max(1, chunk_bytes // max(1, itemsize * math.prod(rest)))
             for r in range(0, rows, step):
                 at = list(offset)
                 at[axis] += r
@@ -167,13 +176,6 @@ def extra_state_keys(dims: Dims) -> list[str]:
     return out
 
 
-def _prod(values) -> int:
-    n = 1
-    for v in values:
-        n *= v
-    return n
-
-
 def _none_object() -> bytes:
     """What Megatron stores for a ShardedObject whose data is None: torch.save of the list of data."""
     buffer = io.BytesIO()
@@ -185,8 +187,8 @@ class _Source:
     """Reads row blocks of HF tensors with pread: nothing is mapped, so the bytes of a block leave
     memory once DCP has written it (a mapping would keep every page touched resident)."""
 
-    def __init__(self, reader: ShardedReader):
-        self.spans = reader_spans(reader)
+    def __init__(self, spans: dict[str, TensorSpan]):
+        self.spans = spans
         self.fds: dict[Path, int] = {}
         self.lock = threading.Lock()
 
@@ -267,15 +269,16 @@ class _DeterministicWriter(FileSystemWriter):
         super().finish(metadata, [ordered])
 
 
-def _dtypes(reader: ShardedReader, names) -> dict[str, torch.dtype]:
+def _dtypes(src: Path, spans: dict[str, TensorSpan], names) -> dict[str, torch.dtype]:
+    """The dtype of each tensor, from the safetensors headers (`reader_spans`), refusing non-weights."""
     out = {}
     for name in names:
-        kind = reader.slice(name).get_dtype()
-        if kind not in DTYPES:
-            raise CheckpointError(f"{reader.dir}: tensor {name!r} is {kind}; torch_dist conversion takes"
+        dtype = spans[name].dtype
+        if dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"{src}: tensor {name!r} is {dtype}; torch_dist conversion takes"
                                   " bf16/fp16/fp32 weights (convert DeepSeek's FP8 release first:"
                                   " python -m tools.weights fp8-to-bf16)")
-        out[name] = DTYPES[kind]
+        out[name] = dtype
     return out
 
 
@@ -320,16 +323,17 @@ def hf_to_torch_dist(src: Path, dst: Path, *, resume: bool = False, workers: int
                               " choose an empty destination")
     reader = ShardedReader(src)
     shapes = check_source(reader, dims)
-    dtypes = _dtypes(reader, shapes)
+    spans = reader_spans(reader)
+    dtypes = _dtypes(src, spans, shapes)
     tensors = plan(dims, shapes, chunk_bytes=chunk_bytes)
     objects = extra_state_keys(dims)
-    total = sum(_prod(shapes[n]) * dtypes[n].itemsize for n in shapes)
+    total = sum(math.prod(shapes[n]) * dtypes[n].itemsize for n in shapes)
     partial = dst.with_name(dst.name + ".partial")
     # torch_dist is one logical unit (one .metadata for all files): an interrupted run starts over.
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     say(f"writing {len(tensors)} tensors ({total / 2**30:.2f} GiB) and {len(objects)} objects to {dst}")
-    source = _Source(reader)
+    source = _Source(spans)
     planner = _LazySavePlanner(tensors, objects, shapes, dtypes, source, progress(total, "torch_dist"))
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -400,7 +404,7 @@ def verify_torch_dist(src: Path, converted: Path, sample: int | None = None, see
     dims = dims_from_config(load_config(src), str(src / "config.json"))
     reader = ShardedReader(src)
     shapes = check_source(reader, dims)
-    dtypes = _dtypes(reader, shapes)
+    dtypes = _dtypes(src, reader_spans(reader), shapes)
     try:
         chunk_bytes = json.loads((converted / "manifest.json").read_text())["header"]["chunk_bytes"]
     except (OSError, KeyError, ValueError):
