@@ -15,8 +15,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[2]
 VERL_CONFIG = "verl/trainer/config/ppo_megatron_trainer.yaml"
-# Where a key may be new to verl: blocks our forks read (MindSpeed features, recompute, recipe settings).
-EXTENSION_PREFIXES = ("launch.", "recipe.", "actor_rollout_ref.actor.megatron.", "actor_rollout_ref.ref.megatron.")
+# verl's trainer config per actor strategy: its main_ppo picks the worker classes from the same key
+VERL_CONFIGS = {"megatron": VERL_CONFIG, "fsdp": "verl/trainer/config/ppo_trainer.yaml",
+                "fsdp2": "verl/trainer/config/ppo_trainer.yaml"}
+ENGINE_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"  # verl 0.4.0 passes it to vllm.LLM(**...)
+# Where a key may be new to verl: blocks our forks read (MindSpeed features, recompute, recipe settings) and
+# vLLM's engine arguments (each checked by vllm_engine_settings).
+EXTENSION_PREFIXES = ("launch.", "recipe.", "actor_rollout_ref.actor.megatron.", "actor_rollout_ref.ref.megatron.",
+                      ENGINE_KWARGS + ".")
 REBALANCE = "recipe.rollout.rebalance"
 KV_TRANSFER_MODES = ("ship", "reprefill")  # verl/workers/rollout/rebalance/migrate.py (our verl series)
 RESHARD = "actor_rollout_ref.rollout.reshard"  # verl/utils/reshard/weight_sync.py (our verl series)
@@ -58,21 +64,24 @@ def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     try:
         rebalance_settings(cfg)
         reshard_settings(cfg)
+        vllm_engine_settings(cfg)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return Recipe(path.resolve(), cfg, tuple(overrides))
 
 
 def settings_block(cfg: DictConfig, key: str, fields) -> dict | None:
-    """The mapping at `key` (None when absent), refusing keys that are not fields of the dataclass `fields`:
+    """The mapping at `key` (None when absent), refusing keys that are not fields of the dataclass `fields`
+    (or not in the tuple of names `fields`):
     our blocks live under open prefixes, where a misspelt key would otherwise pass unnoticed."""
     block = value(cfg, key)
     if block is None:
         return None
-    known = ", ".join(fields.__dataclass_fields__)
+    names = tuple(getattr(fields, "__dataclass_fields__", fields))  # a dataclass or the key names themselves
+    known = ", ".join(names)
     if not isinstance(block, dict):
         raise ConfigError(f"{key} must be a mapping of {known}")
-    unknown = sorted(set(block) - set(fields.__dataclass_fields__))
+    unknown = sorted(set(block) - set(names))
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]} is not a {key.rsplit('.', 1)[-1]} setting; known: {known}")
     return block
@@ -149,22 +158,182 @@ def reshard_settings(cfg: DictConfig) -> Reshard:
     return r
 
 
-def verl_base(root: Path = ROOT) -> DictConfig:
-    """verl's own Megatron trainer config: from our fork's tree, else from the installed verl."""
-    candidates = [root / "third_party" / "verl" / VERL_CONFIG]
+ADDITIONAL_CONFIG = ENGINE_KWARGS + ".additional_config"  # vLLM's EngineArgs.additional_config -> vLLM-Ascend
+TORCHAIR = ADDITIONAL_CONFIG + ".torchair_graph_config"
+ASCEND_SCHEDULER = ADDITIONAL_CONFIG + ".ascend_scheduler_config"
+MAX_NUM_SEQS = "actor_rollout_ref.rollout.max_num_seqs"
+# engine_kwargs.vllm keys: verl's own (swap_space) and those the recipe sets. verl 0.4.0 passes each non-null one to
+# vllm.LLM, where a typo would fail only on the cluster.
+ENGINE_KWARGS_KEYS = ("swap_space", "max_num_seqs", "additional_config")
+# What vLLM-Ascend 0.9.1 reads from additional_config (vllm_ascend/ascend_config.py: AscendConfig.__init__, and
+# "refresh" in init_ascend_config); dp_sync_on_device is our series' (patches README (i)).
+# tests/vllm_ascend/test_recipe_additional_config.py keeps these lists equal to the fork's source.
+ASCEND_CONFIG_KEYS = ("torchair_graph_config", "ascend_scheduler_config", "expert_map_path", "dynamic_eplb",
+                      "num_iterations_eplb_update", "gate_eplb", "num_wait_worker_iterations",
+                      "enable_weight_nz_layout", "enable_prefill_optimizations", "enable_cpu_binding",
+                      "lmhead_tp_size", "dp_sync_on_device", "refresh")
+# ascend_scheduler_config: "enabled" (AscendSchedulerConfig in ascend_config.py), then any field of
+# vllm_ascend/core/schedule_config.py:AscendSchedulerConfig (vLLM's SchedulerConfig), which it overrides.
+ASCEND_SCHEDULER_KEYS = ("enabled", "runner_type", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                         "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
+                         "num_lookahead_slots", "cuda_graph_sizes", "delay_factor", "enable_chunked_prefill",
+                         "is_multimodal_model", "preemption_mode", "num_scheduler_steps",
+                         "multi_step_stream_outputs", "send_delta_data", "policy", "disable_chunked_mm_input",
+                         "scheduler_cls", "disable_hybrid_kv_cache_manager")
+
+
+@dataclass(frozen=True)
+class TorchairGraph:
+    """additional_config.torchair_graph_config: vLLM-Ascend 0.9.1's TorchairGraphConfig keys, same defaults."""
+
+    enabled: bool = False
+    use_cached_graph: bool = False
+    use_cached_kv_cache_bytes: bool = False
+    graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured as graphs; () = [1, max_num_seqs]
+    graph_batch_sizes_init: bool = False
+    enable_multistream_mla: bool = False
+    enable_multistream_moe: bool = False
+    enable_view_optimize: bool = True
+    enable_kv_nz: bool = False
+    enable_super_kernel: bool = False
+
+
+# Keys TorchairGraphConfig accepts only together with another one (it raises otherwise, on the cluster).
+TORCHAIR_NEEDS = {
+    **{k: "enabled" for k in TorchairGraph.__dataclass_fields__ if k not in ("enabled", "enable_view_optimize")},
+    "use_cached_kv_cache_bytes": "use_cached_graph",  # each of these two needs enabled in turn
+    "enable_super_kernel": "enable_multistream_moe",
+}
+
+
+@dataclass(frozen=True)
+class AscendEngine:
+    """What the recipe gives vLLM-Ascend through verl's engine_kwargs.vllm (absent = vLLM-Ascend's defaults)."""
+
+    torchair: TorchairGraph = TorchairGraph()
+    ascend_scheduler: bool = False
+    dp_sync_on_device: bool = False
+
+
+def _flag(key: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key} must be true or false, got {v!r}")
+    return v
+
+
+def torchair_settings(cfg: DictConfig) -> TorchairGraph:
+    """torchair_graph_config, checked as vLLM-Ascend's TorchairGraphConfig checks it, plus the engine's limit:
+    a graph batch size above max_num_seqs is silently dropped there (check_torchair_graph_batch_sizes)."""
+    block = settings_block(cfg, TORCHAIR, TorchairGraph) or {}
+    flags = {k: _flag(f"{TORCHAIR}.{k}", v) for k, v in block.items() if k != "graph_batch_sizes"}
+    sizes = block.get("graph_batch_sizes", [])
+    max_seqs = value(cfg, MAX_NUM_SEQS)
+    if not isinstance(sizes, list) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                                              for b in sizes):
+        raise ConfigError(f"{TORCHAIR}.graph_batch_sizes must be a list of positive integers (decode batch sizes,"
+                          f" e.g. [{max_seqs}]), got {sizes!r}")
+    if isinstance(max_seqs, int) and any(b > max_seqs for b in sizes):
+        raise ConfigError(f"{TORCHAIR}.graph_batch_sizes: {max(sizes)} exceeds {MAX_NUM_SEQS} = {max_seqs}, an"
+                          " engine never decodes that many (vLLM-Ascend drops it); drop it or raise max_num_seqs")
+    t = TorchairGraph(**{**flags, "graph_batch_sizes": tuple(sizes)})
+    if t.graph_batch_sizes_init and t.graph_batch_sizes:
+        raise ConfigError(f"{TORCHAIR}.graph_batch_sizes_init derives the sizes and needs graph_batch_sizes"
+                          " empty; set one of them")
+    unmet = [k for k, need in TORCHAIR_NEEDS.items() if getattr(t, k) and not getattr(t, need)]
+    if unmet:
+        need = TORCHAIR_NEEDS[unmet[0]]
+        fix = f"set {TORCHAIR}.{need}=true" + (" (in the A3 profiles: recipe.rollout.torchair_graph=true)"
+                                                  if need == "enabled" else "")
+        raise ConfigError(f"{TORCHAIR}.{unmet[0]} needs {need}, which is off (vLLM-Ascend refuses it at engine"
+                          f" start): {fix}, or turn off {', '.join(f'{TORCHAIR}.{k}' for k in unmet)}")
+    return t
+
+
+def vllm_engine_settings(cfg: DictConfig) -> AscendEngine:
+    """engine_kwargs.vllm and its additional_config, checked here so that a bad key or value stops the launch
+    instead of a vLLM-Ascend engine on the cluster."""
+    engine = settings_block(cfg, ENGINE_KWARGS, ENGINE_KWARGS_KEYS) or {}
+    max_seqs = value(cfg, MAX_NUM_SEQS)
+    if engine.get("max_num_seqs") is not None and engine["max_num_seqs"] != max_seqs:
+        raise ConfigError(f"{ENGINE_KWARGS}.max_num_seqs = {engine['max_num_seqs']!r} differs from {MAX_NUM_SEQS}"
+                          f" = {max_seqs!r}, which preflight sizes the engines with: set it to"
+                          f" ${{{MAX_NUM_SEQS}}}")
+    if settings_block(cfg, ADDITIONAL_CONFIG, ASCEND_CONFIG_KEYS) is None:
+        return AscendEngine()
+    t = torchair_settings(cfg)
+    _check_graph_mode(cfg, t, engine.get("max_num_seqs"))
+    on = _ascend_scheduler(cfg, t)
+    dp_sync = _flag(f"{ADDITIONAL_CONFIG}.dp_sync_on_device", value(cfg, f"{ADDITIONAL_CONFIG}.dp_sync_on_device",
+                                                                     False))
+    _check_rebalance_buckets(cfg, t)
+    return AscendEngine(t, on, dp_sync)
+
+
+def _check_graph_mode(cfg: DictConfig, t: TorchairGraph, engine_max_seqs) -> None:
+    """What graph mode needs outside torchair_graph_config: the engine's max_num_seqs, its switch, no eager."""
+    if t.graph_batch_sizes and engine_max_seqs is None:
+        raise ConfigError(f"{TORCHAIR}.graph_batch_sizes is sized for {MAX_NUM_SEQS}, but verl 0.4.0 does not pass"
+                          f" that to vLLM (its default is 256): set {ENGINE_KWARGS}.max_num_seqs=${{{MAX_NUM_SEQS}}}")
+    switch = value(cfg, "recipe.rollout.torchair_graph")
+    if switch is not None and switch != t.enabled:
+        raise ConfigError(f"{TORCHAIR}.enabled = {t.enabled} but recipe.rollout.torchair_graph = {switch}: set"
+                          f" recipe.rollout.torchair_graph (the profiles interpolate it into {TORCHAIR}.enabled)")
+    if t.enabled and value(cfg, "actor_rollout_ref.rollout.enforce_eager") is True:
+        raise ConfigError(f"{TORCHAIR}.enabled needs actor_rollout_ref.rollout.enforce_eager=false (vLLM-Ascend"
+                          " refuses graph mode with eager mode)")
+
+
+def _ascend_scheduler(cfg: DictConfig, t: TorchairGraph) -> bool:
+    """ascend_scheduler_config.enabled, checked against enable_kv_nz: the graph decode path writes the cache as
+    NZ, and a step that mixes prefill and decode reads it as ND (patches README (h))."""
+    scheduler = settings_block(cfg, ASCEND_SCHEDULER, ASCEND_SCHEDULER_KEYS) or {}
+    on = _flag(f"{ASCEND_SCHEDULER}.enabled", scheduler.get("enabled", False))
+    chunked = _flag(f"{ASCEND_SCHEDULER}.enable_chunked_prefill", scheduler.get("enable_chunked_prefill", False))
+    if t.enable_kv_nz and (not on or chunked):
+        raise ConfigError(f"{TORCHAIR}.enable_kv_nz needs prefill and decode in separate steps: set"
+                          f" {ASCEND_SCHEDULER}.enabled=true and leave its enable_chunked_prefill off")
+    return on
+
+
+def _check_rebalance_buckets(cfg: DictConfig, t: TorchairGraph) -> None:
+    """Rebalancing moves sequences so that engines decode in a smaller graph: only captured sizes help."""
+    r = rebalance_settings(cfg)
+    max_seqs = value(cfg, MAX_NUM_SEQS)
+    if not (r.enable and t.enabled and r.buckets and isinstance(max_seqs, int)):
+        return
+    captured = set(t.graph_batch_sizes or (1,)) | {max_seqs}  # vLLM-Ascend always adds max_num_seqs
+    missing = [b for b in r.buckets if b not in captured]
+    if missing:
+        raise ConfigError(f"{REBALANCE}.buckets {missing} are not captured graph sizes ({TORCHAIR}.graph_batch_sizes"
+                          f" {list(t.graph_batch_sizes)} + max_num_seqs): add them to graph_batch_sizes or drop"
+                          " them from the buckets")
+
+
+def verl_base(root: Path = ROOT, strategy: str = "megatron") -> DictConfig:
+    """verl's own trainer config for an actor strategy (Megatron's by default): from our fork's tree, else from
+    the installed verl."""
+    if strategy not in VERL_CONFIGS:
+        raise ConfigError(f"actor_rollout_ref.actor.strategy is {strategy!r}; use one of {', '.join(VERL_CONFIGS)}")
+    rel = VERL_CONFIGS[strategy]
+    candidates = [root / "third_party" / "verl" / rel]
     try:
         import importlib.util
 
         spec = importlib.util.find_spec("verl")
         if spec and spec.origin:
-            candidates.append(Path(spec.origin).parent.parent / VERL_CONFIG)
+            candidates.append(Path(spec.origin).parent.parent / rel)
     except (ImportError, ValueError):
         pass
     for path in candidates:
         if path.is_file():
             return OmegaConf.load(path)
-    raise ConfigError(f"verl's {VERL_CONFIG} not found (tried {', '.join(map(str, candidates))});"
+    raise ConfigError(f"verl's {rel} not found (tried {', '.join(map(str, candidates))});"
                       " run `python -m tools.forks sync verl`")
+
+
+def verl_base_for(cfg: DictConfig, root: Path = ROOT) -> DictConfig:
+    """verl's trainer config for the strategy a recipe config names (megatron when it names none)."""
+    return verl_base(root, str(OmegaConf.select(cfg, "actor_rollout_ref.actor.strategy", default="megatron")))
 
 
 def leaf_keys(node, prefix: str = "") -> list[str]:

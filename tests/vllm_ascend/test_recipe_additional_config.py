@@ -1,0 +1,242 @@
+"""The A3 profiles' vLLM-Ascend settings reach the engine: recipe -> launcher -> verl -> vllm.LLM -> vLLM-Ascend.
+
+(a) Each A3 profile goes through the launcher's own code (config.load, config.verl_config) to the verl config the
+    trainer gets; verl's real vLLMRollout (the spmd one verl 0.4.0 uses with vLLM 0.9.1) is built from its
+    rollout block. Stubbed: only the engine, i.e. `vllm.LLM` in the verl module's namespace is a recorder of its
+    keyword arguments (with the `sleep` that the constructor calls). The constructor's one distributed call,
+    get_world_size (verl asserts rollout TP <= world), is answered by a real 2-rank gloo group (TP2). It runs in
+    spawned processes, away from this directory's torch_npu stubs. One override: rollout.max_num_batched_tokens =
+    max_model_len (4096), because with the profiles' 1024 verl 0.4.0's constructor raises (a known limit, see
+    recipes/deepseek_r1/README.md) and so does vLLM-Ascend 0.9.1's ascend scheduler (shown below).
+(b) The recorded keyword arguments are fed to vLLM-Ascend's own code, from the fork's tree with the device
+    modules stubbed (conftest): AscendConfig, NPUModelRunner.check_torchair_graph_batch_sizes on a runner built
+    without __init__ (which needs a device), AscendSchedulerConfig.initialize_from_config on vLLM's real
+    SchedulerConfig, and check_ascend_config.
+(c) Our dp_sync hook reads the switch through get_ascend_config(); torch.distributed.all_reduce is replaced by a
+    recorder of the group it is given (no collective runs), the DP coordinator is a namespace of two groups.
+Plus: the launcher's lists of known keys (tools/launch/config.py) equal what the fork's source reads.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.gloo import run_processes
+from tests.vllm_ascend.conftest import TREE
+from tools.launch import config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "deepseek_r1" / "configs"
+A3 = ("a3-128-true-weight", "a3-128-random-init")
+BUDGET = "actor_rollout_ref.rollout.max_num_batched_tokens=4096"  # = max_model_len; see the module docstring
+
+
+def build_rollout(name: str, overrides: list[str]) -> dict:
+    """verl's vLLMRollout from the profile, with vllm.LLM recording its keyword arguments."""
+    from unittest import mock
+
+    from verl.workers.rollout.vllm_rollout import vllm_mode
+    from verl.workers.rollout.vllm_rollout import vllm_rollout_spmd as spmd
+
+    assert vllm_mode == "spmd", f"verl picked its {vllm_mode} rollout for this vLLM"
+    recipe = config.load(CONFIGS / f"{name}.yaml", overrides)
+    rollout_cfg = config.verl_config(recipe.cfg, config.verl_base()).actor_rollout_ref.rollout
+    dims, _ = config.model_dims(recipe)
+    calls = []
+
+    class EngineRecorder:
+        def __init__(self, **kwargs):
+            calls.append(kwargs)
+
+        def sleep(self, level):
+            calls[-1]["sleep(level)"] = level
+
+    with mock.patch.object(spmd, "LLM", EngineRecorder):
+        spmd.vLLMRollout(model_path="/models/dsv3", config=rollout_cfg, tokenizer=SimpleNamespace(pad_token_id=0),
+                         model_hf_config=SimpleNamespace(**dims), device_mesh=None, trust_remote_code=True)
+    assert len(calls) == 1
+    return calls[0]
+
+
+def rollout_worker(rank, port, world, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        if rank == 0:  # one engine is enough to see what verl hands it; the other ranks only make the world
+            out = {name: build_rollout(name, [BUDGET]) for name in A3}
+            try:
+                build_rollout(A3[0], [])
+                out["as-is"] = "constructed"
+            except ValueError as exc:
+                out["as-is"] = str(exc)
+            results[rank] = out
+        else:
+            results[rank] = None
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def engine_kwargs():
+    for module in ("verl", "vllm"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} (our fork) is not installed")
+    tp = {config.value(config.load(CONFIGS / f"{n}.yaml").cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size")
+          for n in A3}
+    assert tp == {2}, f"the profiles' rollout TP changed ({tp}): adjust the world below"
+    # A spawned child starts from this sys.path; while the va fixture has put the fork's tree first, its own
+    # tests/ package would shadow ours there.
+    saved = list(sys.path)
+    sys.path[:] = [p for p in saved if p != str(TREE)]
+    try:
+        return run_processes(rollout_worker, 2, 2, start_method="spawn")[0]
+    finally:
+        sys.path[:] = saved
+
+
+def profile_additional_config(name: str) -> dict:
+    return config.value(config.load(CONFIGS / f"{name}.yaml").cfg, config.ADDITIONAL_CONFIG)
+
+
+@pytest.mark.parametrize("name", A3)
+def test_verl_hands_the_profiles_additional_config_to_the_engine(engine_kwargs, name):
+    kwargs = engine_kwargs[name]
+    assert kwargs["additional_config"] == profile_additional_config(name)
+    assert kwargs["max_num_seqs"] == 64, "verl passes no max_num_seqs of its own: the profile's engine_kwargs do"
+    assert kwargs["enforce_eager"] is False and kwargs["tensor_parallel_size"] == 2
+    assert kwargs["sleep(level)"] == 1
+
+
+def test_the_profiles_token_budget_is_refused_by_verl_as_it_stands(engine_kwargs):
+    """Why the override: without it verl 0.4.0 stops in the constructor (chunked prefill + 1024 < 4096)."""
+    assert "max_num_batched_tokens is smaller than max_model_len" in engine_kwargs["as-is"]
+
+
+@pytest.mark.parametrize("name", A3)
+def test_vllm_ascend_reads_the_profiles_settings(va, engine_kwargs, name):
+    ascend_config = va("vllm_ascend.ascend_config")
+    kwargs = engine_kwargs[name]
+    ac = ascend_config.AscendConfig(SimpleNamespace(additional_config=kwargs["additional_config"]))
+    graph = ac.torchair_graph_config
+    assert graph.enabled is True
+    assert graph.graph_batch_sizes == [kwargs["max_num_seqs"]] == [64]
+    assert graph.enable_kv_nz is True
+    assert graph.enable_multistream_mla is True and graph.enable_multistream_moe is True
+    assert graph.enable_view_optimize is False
+    assert ac.ascend_scheduler_config.enabled is True
+    assert ac.dp_sync_on_device is True
+    # the engine's own check of graph mode against eager mode, with what verl passed
+    ascend_config.init_ascend_config(SimpleNamespace(additional_config=kwargs["additional_config"]))
+    try:
+        ascend_config.check_ascend_config(SimpleNamespace(model_config=None), kwargs["enforce_eager"])
+        assert ascend_config.get_ascend_config().torchair_graph_config.enabled is True
+    finally:
+        ascend_config.clear_ascend_config()
+
+
+def captured_sizes(mr, kwargs, graph_batch_sizes, max_num_seqs) -> list[int]:
+    """NPUModelRunner.check_torchair_graph_batch_sizes on a runner given only what it reads there (EP on, as
+    the rollout runs; the runner's max_num_reqs is the scheduler's max_num_seqs)."""
+    runner = mr.NPUModelRunner.__new__(mr.NPUModelRunner)
+    runner.torchair_graph_batch_sizes = list(graph_batch_sizes)
+    runner.is_kv_consumer, runner.decode_token_per_req, runner.max_num_reqs = False, 1, max_num_seqs
+    runner.parallel_config = SimpleNamespace(tensor_parallel_size=kwargs["tensor_parallel_size"],
+                                             enable_expert_parallel=True)
+    runner.scheduler_config = SimpleNamespace(max_num_batched_tokens=kwargs["max_num_batched_tokens"])
+    runner.check_torchair_graph_batch_sizes()
+    return runner.torchair_graph_batch_sizes
+
+
+@pytest.mark.parametrize("name", A3)
+def test_the_engine_captures_one_graph_of_max_num_seqs(va, engine_kwargs, name):
+    mr = va("vllm_ascend.worker.model_runner_v1")
+    kwargs = engine_kwargs[name]
+    sizes = kwargs["additional_config"]["torchair_graph_config"]["graph_batch_sizes"]
+    assert captured_sizes(mr, kwargs, sizes, kwargs["max_num_seqs"]) == [64]
+    # without engine_kwargs.vllm.max_num_seqs the engine runs vLLM's default 256 and captures a second graph
+    assert captured_sizes(mr, kwargs, sizes, 256) == [64, 256]
+
+
+@pytest.mark.parametrize("name", A3)
+def test_the_ascend_scheduler_keeps_prefill_and_decode_apart(va, engine_kwargs, name):
+    from vllm.config import SchedulerConfig
+
+    ascend_config = va("vllm_ascend.ascend_config")
+    schedule_config = va("vllm_ascend.core.schedule_config")
+    kwargs = engine_kwargs[name]
+    ac = ascend_config.AscendConfig(SimpleNamespace(additional_config=kwargs["additional_config"]))
+
+    def scheduler(budget):
+        vllm_scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=kwargs["max_num_seqs"],
+                                         max_model_len=kwargs["max_model_len"],
+                                         enable_chunked_prefill=kwargs["enable_chunked_prefill"])
+        return schedule_config.AscendSchedulerConfig.initialize_from_config(vllm_scheduler,
+                                                                           ac.ascend_scheduler_config)
+
+    chosen = scheduler(kwargs["max_num_batched_tokens"])
+    assert chosen.scheduler_cls == "vllm_ascend.core.scheduler.AscendScheduler"
+    assert chosen.chunked_prefill_enabled is False, "no chunked prefill: prefill steps and decode steps apart"
+    assert (chosen.max_num_seqs, chosen.max_num_batched_tokens) == (64, 4096)
+    # the profiles' own budget (1024 < max_model_len 4096) is refused at this pin (vLLM-Ascend #2327)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(1024\) is smaller than max_model_len"):
+        scheduler(config.value(config.load(CONFIGS / f"{name}.yaml").cfg,
+                               "actor_rollout_ref.rollout.max_num_batched_tokens"))
+
+
+def unfinished_check_group(va, monkeypatch, additional_config) -> list[str]:
+    """Which group LLMEngine's unfinished-requests check (our hook) all-reduces on."""
+    import torch
+    import torch.distributed as dist
+    import vllm.distributed.parallel_state as ps
+
+    ascend_config = va("vllm_ascend.ascend_config")
+    dp_sync = va("vllm_ascend.distributed.dp_sync")
+    cpu_group, device_group = object(), object()
+    used = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None, async_op=False: used.append(
+        {id(cpu_group): "cpu", id(device_group): "device"}[id(group)]))
+    monkeypatch.setattr(ps, "_DP", SimpleNamespace(cpu_group=cpu_group, device_group=device_group,
+                                                   device=torch.device("cpu")))
+    ascend_config.init_ascend_config(SimpleNamespace(additional_config={**additional_config, "refresh": True}))
+    try:
+        dp_sync.llm_engine_has_unfinished_requests_dp(SimpleNamespace(dp_group=cpu_group), True)
+    finally:
+        ascend_config.clear_ascend_config()
+    return used
+
+
+@pytest.mark.parametrize("name", A3)
+def test_dp_sync_runs_on_the_device_group_with_the_profile(va, monkeypatch, engine_kwargs, name):
+    assert unfinished_check_group(va, monkeypatch, engine_kwargs[name]["additional_config"]) == ["device"]
+    assert unfinished_check_group(va, monkeypatch, {}) == ["cpu"], "vLLM-Ascend's default: gloo"
+
+
+def keys_read(tree: ast.Module, owner: str) -> set[str]:
+    """The string keys `owner` (a class or function of ascend_config.py) reads with `<mapping>.get("key", ...)`."""
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef | ast.FunctionDef) and n.name == owner)
+    return {call.args[0].value for call in ast.walk(node)
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "get"
+            and call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)}
+
+
+def test_the_launchers_known_keys_are_the_ones_vllm_ascend_reads(va):
+    source = TREE / "vllm_ascend" / "ascend_config.py"
+    tree = ast.parse(source.read_text())
+    assert set(config.ASCEND_CONFIG_KEYS) == keys_read(tree, "AscendConfig") | keys_read(tree, "init_ascend_config")
+    assert set(config.TorchairGraph.__dataclass_fields__) == keys_read(tree, "TorchairGraphConfig")
+    assert keys_read(tree, "AscendSchedulerConfig") == {"enabled"}
+    schedule_config = va("vllm_ascend.core.schedule_config")
+    scheduler_fields = {f.name for f in dataclasses.fields(schedule_config.AscendSchedulerConfig) if f.init}
+    assert set(config.ASCEND_SCHEDULER_KEYS) == {"enabled"} | scheduler_fields
+    # and the launcher's defaults are vLLM-Ascend's
+    defaults = vars(va("vllm_ascend.ascend_config").TorchairGraphConfig({}))
+    ours = dataclasses.asdict(config.TorchairGraph())
+    assert {k: list(v) if isinstance(v, tuple) else v for k, v in ours.items()} == defaults
