@@ -62,6 +62,14 @@ def tests(session: nox.Session) -> None:
                 env={"RL_RECIPE_TEST_HARD_EXIT": "1", "PYTHONFAULTHANDLER": "1"})
 
 
+@nox.session(python=False)
+def smoke(session: nox.Session) -> None:
+    """The recipe end to end on CPU: the cpu stack (installed first, as for tests), then GRPO steps of the tiny
+    DeepSeek-V3 model; args go to `python -m tools.launch.smoke` (e.g. `nox -s smoke -- --steps 20`)."""
+    session.run(sys.executable, "-m", "tools.install", "--device", "cpu", "--venv", TEST_STACK, external=True)
+    session.run(f"{TEST_STACK}/bin/python", "-m", "tools.launch.smoke", *session.posargs, external=True)
+
+
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     """Lint the project's own code with ruff (third_party/ excluded)."""

@@ -6,6 +6,8 @@ through the Ray Jobs API exactly as the real head submits the trainer. Everythin
 
 from __future__ import annotations
 
+import os
+
 import socket
 import sys
 import threading
@@ -27,6 +29,10 @@ NODE = {"num_cpus": 1, "resources": {"NPU": 2}, "object_store_memory": 80 * 2**2
 
 @pytest.fixture(scope="module")
 def three_nodes():
+    # One auth mode for this module's cluster and its clients: with a token in ~/.ray, `ray start` would turn
+    # token auth on by itself while the clients stay disabled (the launcher sets the mode the same way).
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     dash = free_port()
     c = Cluster(initialize_head=True, head_node_args={**NODE, "node_ip_address": "127.0.0.1",
                                                       "include_dashboard": True, "dashboard_host": "127.0.0.1",
@@ -38,6 +44,10 @@ def three_nodes():
     if ray.is_initialized():
         ray.shutdown()
     c.shutdown()
+    if saved is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved
 
 
 def test_wait_succeeds_when_all_nodes_joined(three_nodes):
@@ -129,3 +139,13 @@ def test_worker_leaves_when_the_head_stops_answering():
     start = time.monotonic()
     why = cluster.watch_head("127.0.0.1", port, poll_s=0.2, misses=2)
     assert "stopped answering" in why and time.monotonic() - start < 10
+
+
+def test_ray_auth_mode_is_one_mode_for_daemons_job_and_client(tmp_path):
+    """Ray's `ray start` turns token auth on by itself when ~/.ray/auth_token exists; its clients do not."""
+    assert cluster.ray_auth_mode({}, home=tmp_path) == "disabled"
+    assert cluster.ray_auth_mode({"RAY_AUTH_TOKEN": "t"}, home=tmp_path) == "token"
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("secret")
+    assert cluster.ray_auth_mode({}, home=tmp_path) == "token"
+    assert cluster.ray_auth_mode({"RAY_AUTH_MODE": "disabled"}, home=tmp_path) == "disabled", "the user's choice wins"

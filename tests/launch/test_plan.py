@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from unittest import mock
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -19,8 +20,9 @@ PATHS = ["actor_rollout_ref.model.path=/models/DeepSeek-V3-bf16", "data.train_fi
 
 def rendered(name: str) -> str:
     recipe = config.load(CONFIGS / f"{name}.yaml", PATHS)
-    p = run.prepare(recipe, FACTS, "golden-run", Path("/runs"), python="/venv/bin/python",
-                    ray_bin="/venv/bin/ray", device_gb=64.0)
+    with mock.patch.dict(os.environ, {"RAY_AUTH_MODE": "disabled"}):  # not this machine's ~/.ray token
+        p = run.prepare(recipe, FACTS, "golden-run", Path("/runs"), python="/venv/bin/python",
+                        ray_bin="/venv/bin/ray", device_gb=64.0)
     return plan.render(p.plan).replace(str(ROOT), "<root>")
 
 

@@ -33,8 +33,8 @@ def test_there_are_configs():
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
 def test_config_loads_with_verl_keys_only(path):
     recipe = config.load(path)
-    assert config.unknown_keys(recipe.cfg, config.verl_base()) == []
-    verl_cfg = config.verl_config(recipe.cfg, config.verl_base())
+    assert config.unknown_keys(recipe.cfg, config.verl_base_for(recipe.cfg)) == []
+    verl_cfg = config.verl_config(recipe.cfg, config.verl_base_for(recipe.cfg))
     assert "launch" not in verl_cfg and verl_cfg.trainer.nnodes == recipe.cfg.launch.nodes
 
 
@@ -138,7 +138,8 @@ def test_every_profile_scores_with_the_strict_reward_through_verls_loader(path, 
 
     from omegaconf import OmegaConf
 
-    verl_cfg = config.verl_config(config.load(path).cfg, config.verl_base())
+    cfg = config.load(path).cfg
+    verl_cfg = config.verl_config(cfg, config.verl_base_for(cfg))
     assert Path(verl_cfg.custom_reward_function.path).is_absolute()
     OmegaConf.save(verl_cfg, tmp_path / "verl.yaml")
     script = (

@@ -88,6 +88,17 @@ def join_status(nodes: list[NodeInfo], expected: int, resource: str | None, per_
     return False, msg
 
 
+def ray_auth_mode(environ=os.environ, home: Path | None = None) -> str:
+    """The one Ray auth mode of a run. With RAY_AUTH_MODE unset, Ray's `ray start` turns token auth on when
+    ~/.ray/auth_token exists, while a client's ray.init stays disabled and is refused (InvalidAuthToken). The
+    launcher therefore sets it for the daemons, the trainer job and itself: the user's RAY_AUTH_MODE when given,
+    else token when this machine has a token (every node then needs it), else disabled."""
+    if environ.get("RAY_AUTH_MODE"):
+        return environ["RAY_AUTH_MODE"]
+    token = (home or Path.home()) / ".ray" / "auth_token"
+    return "token" if environ.get("RAY_AUTH_TOKEN") or token.is_file() else "disabled"
+
+
 def wait_for_nodes(address: str, expected: int, resource: str | None, per_node: int, timeout_s: float,
                    poll_s: float = 1.0, expected_hosts: tuple[str, ...] = (),
                    say: Callable[[str], None] = print) -> str:

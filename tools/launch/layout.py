@@ -74,6 +74,7 @@ class Layout:
     use_kl_in_reward: bool
     trainer_nnodes: int
     trainer_devices: int
+    rollout_name: str = "vllm"  # verl's rollout.name: vllm (engines with EP) or hf (each rank holds the whole model)
 
     @property
     def world(self) -> int:
@@ -139,4 +140,5 @@ def from_config(cfg: DictConfig) -> Layout:
         adv_estimator=str(v("algorithm.adv_estimator", "gae")), use_kl_loss=bool(v(A + "use_kl_loss", False)),
         use_kl_in_reward=bool(v("algorithm.use_kl_in_reward", False)),
         trainer_nnodes=int(v("trainer.nnodes", 1)), trainer_devices=int(v("trainer.n_gpus_per_node", 1)),
+        rollout_name=str(v(R + "name", "vllm")),
     )

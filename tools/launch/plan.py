@@ -50,23 +50,36 @@ def resources_arg(lay: Layout) -> tuple[str, ...]:
     return ("--resources", json.dumps({name: lay.devices_per_node})) if name else ()
 
 
+def cpus_arg(lay: Layout) -> tuple[str, ...]:
+    """On CPU the ranks are Ray CPU bundles (verl's pools with trainer.device=cpu), next to verl's driver task: ask
+    for that many logical CPUs even on a machine with fewer cores (they share them; OMP_NUM_THREADS=1)."""
+    if RAY_RESOURCE.get(lay.accelerator):
+        return ()
+    return ("--num-cpus", str(lay.devices_per_node + CPU_RANK_HEADROOM))
+
+
+CPU_RANK_HEADROOM = 2  # verl's TaskRunner and one spare for Ray's own tasks
+
+
 def head_command(lay: Layout, master_addr: str, port: int, dashboard_port: int, ray_bin: str = "ray",
                  extra: tuple[str, ...] = ()) -> tuple:
     # --block: the daemons live as long as this child of the launcher, which stops exactly them.
     # The dashboard (Jobs API) listens on loopback only: the launcher on the head is its one client.
     return (ray_bin, "start", "--head", "--block", "--node-ip-address", master_addr, "--port", str(port),
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--num-gpus", "0",
-            *resources_arg(lay), "--disable-usage-stats", *extra)
+            *cpus_arg(lay), *resources_arg(lay), "--disable-usage-stats", *extra)
 
 
 def worker_command(lay: Layout, master_addr: str, port: int, ray_bin: str = "ray",
                    extra: tuple[str, ...] = ()) -> tuple:
     return (ray_bin, "start", "--block", "--address", f"{master_addr}:{port}", "--num-gpus", "0",
-            *resources_arg(lay), "--disable-usage-stats", *extra)
+            *cpus_arg(lay), *resources_arg(lay), "--disable-usage-stats", *extra)
 
 
 def trainer_command(python: str, run_dir: Path) -> tuple[str, ...]:
-    return (python, "-m", "verl.trainer.main_ppo", "--config-path", str(run_dir), "--config-name", VERL_CONFIG_NAME)
+    # hydra.run.dir: verl's hydra main runs (and writes its outputs/ folder) in the run's folder, not the job's cwd
+    return (python, "-m", "verl.trainer.main_ppo", "--config-path", str(run_dir), "--config-name", VERL_CONFIG_NAME,
+            f"hydra.run.dir={run_dir}")
 
 
 def build(recipe: str, run_id: str, run_dir: Path, lay: Layout, ray_cfg: dict, env: dict[str, str],

@@ -105,7 +105,9 @@ def rollout_checks(lay: Layout, dims: Dims) -> list[Check]:
         _c("rollout heads split by TP", R + "tensor_model_parallel_size", f"{dims.heads} % {tp}", "heads % TP == 0",
            _div(dims.heads, tp)),
         _c("rollout EP spans an instance", RR + "expert_parallel_size", f"{ep} vs DP*TP = {dp * tp}",
-           "rollout EP == DP * TP", ep == dp * tp),
+           "rollout EP == DP * TP", ep == dp * tp) if lay.rollout_name == "vllm" else
+        _c("rollout holds every expert", RR + "expert_parallel_size", f"{ep} ({lay.rollout_name} rollout)",
+           "rollout EP == 1 without vLLM", ep == 1),
         _c("rollout experts split by EP", RR + "expert_parallel_size", f"{dims.experts} % {ep}",
            "experts % rollout EP == 0", _div(dims.experts, ep)),
         _c("expert reshard train -> rollout", RR + "expert_parallel_size", f"{ep} % (EP*TP = {train_group})",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -13,10 +14,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tools.launch import cluster, config, env, inputs, layout, plan, preflight
+from tools.launch import cluster, config, env, inputs, layout, plan, preflight, summary
 from tools.launch.memory import Dims, Estimate
 
 EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
+TENSORBOARD = "tensorboard"  # <run dir>/tensorboard
 
 
 @dataclass
@@ -49,9 +51,9 @@ def device_memory_gb(accelerator: str, devices_per_node: int) -> float:
 def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root: Path,
             python: str = sys.executable, ray_bin: str = "ray", device_gb: float | None = None) -> Prepared:
     cfg = recipe.cfg
-    unknown = config.unknown_keys(cfg, config.verl_base())
+    unknown = config.unknown_keys(cfg, config.verl_base_for(cfg))
     if unknown:
-        raise config.ConfigError(f"{unknown[0]} is not a key of verl's ppo_megatron_trainer.yaml"
+        raise config.ConfigError(f"{unknown[0]} is not a key of verl's trainer config for this actor strategy"
                                  f" ({len(unknown)} unknown: {', '.join(unknown[:5])}); check the spelling, or put"
                                  " settings our forks add under recipe.* or *.megatron.*")
     lay = layout.from_config(cfg)
@@ -63,6 +65,8 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
     profile = env.load_profile(recipe.path.parent.parent, str(config.value(cfg, "launch.env_profile")))
     node_env, notes = env.node_env(profile, facts)
     run_dir = Path(logs_root) / run_id
+    node_env["RAY_AUTH_MODE"] = cluster.ray_auth_mode()  # one mode for the daemons, the job and this client
+    node_env["TENSORBOARD_DIR"] = str(run_dir / TENSORBOARD)  # verl's tensorboard logger writes, the summary reads
     the_plan = plan.build(recipe.name, run_id, run_dir, lay, config.value(cfg, "launch.ray"), node_env, notes,
                           profile.left_out, python, preflight.derived(lay, dims), ray_bin)
     return Prepared(recipe, the_plan, checks, est, dims_source, input_checks)
@@ -87,7 +91,8 @@ def save_run_files(p: Prepared, venv: Path | None) -> list[str]:
     run_dir = p.plan.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     _write(run_dir / "config.yaml", OmegaConf.to_yaml(p.recipe.cfg))
-    _write(run_dir / "verl.yaml", OmegaConf.to_yaml(config.verl_config(p.recipe.cfg, config.verl_base())))
+    verl_cfg = config.verl_config(p.recipe.cfg, config.verl_base_for(p.recipe.cfg))
+    _write(run_dir / "verl.yaml", OmegaConf.to_yaml(verl_cfg))
     _write(run_dir / "env.json", json.dumps(p.plan.env, indent=2, sort_keys=True) + "\n")
     stack = (venv or Path(sys.prefix)) / "stack.json"
     if stack.is_file():
@@ -102,7 +107,26 @@ def _write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+@contextlib.contextmanager
+def ray_client_env(pl: plan.Plan):
+    """This process is a Ray client of the run's cluster: the run's auth mode while it talks to it, restored after."""
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = pl.env["RAY_AUTH_MODE"]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = before
+
+
 def run_head(p: Prepared, say=print) -> int:
+    with ray_client_env(p.plan):
+        return _run_head(p, say)
+
+
+def _run_head(p: Prepared, say=print) -> int:
     pl = p.plan
     lay = pl.layout
     host_log = pl.run_dir / f"{socket.gethostname()}.log"
@@ -119,9 +143,29 @@ def run_head(p: Prepared, say=print) -> int:
         return EXIT_OK if status == "SUCCEEDED" else EXIT_ERROR
     finally:
         head.stop()
+        summarize(p, say)
+
+
+def summarize(p: Prepared, say=print) -> None:
+    """Print the per-step table from the run's TensorBoard events and save it as summary.json (also after a
+    failed run: the steps that finished are worth seeing)."""
+    tb_dir = p.plan.run_dir / TENSORBOARD
+    steps = summary.read_steps(tb_dir) if tb_dir.is_dir() else []
+    if not steps:
+        say(f"summary: no step metrics in {tb_dir} (add tensorboard to trainer.logger to get them)")
+        return
+    lay = p.plan.layout
+    rows = summary.table(steps, lay.sequences, lay.cards, layout.DIES_PER_CARD.get(lay.accelerator, 1))
+    summary.write(rows, p.plan.run_dir / "summary.json")
+    say(summary.render(rows, p.plan.run_dir, tb_dir))
 
 
 def run_worker(p: Prepared, say=print) -> int:
+    with ray_client_env(p.plan):
+        return _run_worker(p, say)
+
+
+def _run_worker(p: Prepared, say=print) -> int:
     pl = p.plan
     host, port = pl.ray_address.rsplit(":", 1)
     cluster.wait_for_port(host, int(port), attempts=60, backoff_s=1, max_backoff_s=30, say=say)

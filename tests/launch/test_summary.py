@@ -1,0 +1,109 @@
+"""The end-of-run summary (tools/launch/summary.py) and the smoke runner's input handling (tools/launch/smoke.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.launch.conftest import CONFIGS
+from tools.launch import config, layout, plan, preflight, smoke, summary
+from tools.launch.memory import Dims
+
+
+def _write_events(tb_dir, steps: dict[int, dict[str, float]]) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(str(tb_dir))  # what verl's tensorboard logger uses
+    for step, values in steps.items():
+        for k, v in values.items():
+            w.add_scalar(k, v, step)
+    w.close()
+
+
+VERL_STEP = {"critic/score/mean": 0.25, "response_length/mean": 40.0, "prompt_length/mean": 90.0,
+             "timing_s/step": 13.0, "timing_s/gen": 6.0, "timing_s/ref": 1.0, "timing_s/update_actor": 4.0}
+
+
+def test_steps_are_read_back_from_tensorboard_in_order(tmp_path):
+    _write_events(tmp_path, {2: {**VERL_STEP, "critic/score/mean": 0.5}, 1: VERL_STEP})
+    steps = summary.read_steps(tmp_path)
+    assert [s.step for s in steps] == [1, 2]
+    assert [s.reward for s in steps] == [0.25, 0.5]
+    assert steps[0].values["timing_s/gen"] == 6.0
+
+
+def test_table_carries_the_a3_metric_lines(tmp_path):
+    rows = summary.table([summary.Step(1, VERL_STEP)], samples=32, cards=2, dies_per_card=1)
+    (row,) = rows
+    tokens = 32 * (90 + 40)
+    assert math.isclose(row["system TPS per card"], tokens / (13.0 * 2))
+    assert math.isclose(row["system TPS per die"], row["system TPS per card"])  # a CPU rank is one die
+    assert math.isclose(row["rollout TPS per card"], 32 * 40 / (6.0 * 2))
+    assert row["update time (s)"] == 4.0 and row["reward mean"] == 0.25
+    text = summary.render(rows, tmp_path, tmp_path / "tb")
+    assert "run summary: 1 step(s)" in text and f"tensorboard --logdir {tmp_path / 'tb'}" in text
+    summary.write(rows, tmp_path / "summary.json")
+    assert json.loads((tmp_path / "summary.json").read_text())[0]["step"] == 1
+
+
+def test_a_step_without_timings_still_gets_a_row():
+    (row,) = summary.table([summary.Step(3, {"critic/score/mean": 1.0})], samples=8, cards=2, dies_per_card=2)
+    assert row["reward mean"] == 1.0 and "system TPS per card" not in row and math.isnan(row["step time (s)"])
+
+
+def test_cpu_ranks_are_ray_cpus_next_to_the_trainer_task():
+    lay = layout.from_config(config.load(CONFIGS / "cpu-tiny.yaml").cfg)
+    assert plan.cpus_arg(lay) == ("--num-cpus", str(2 + plan.CPU_RANK_HEADROOM))
+    a3 = layout.from_config(config.load(CONFIGS / "a3-128-true-weight.yaml").cfg)
+    assert plan.cpus_arg(a3) == ()
+
+
+def test_hf_rollout_holds_every_expert():
+    cfg = config.load(CONFIGS / "cpu-tiny.yaml").cfg
+    dims = Dims.from_hf(config.model_dims(config.load(CONFIGS / "cpu-tiny.yaml"))[0])
+    names = {c.name: c for c in preflight.rollout_checks(layout.from_config(cfg), dims)}
+    assert names["rollout holds every expert"].ok and "rollout EP spans an instance" not in names
+    bad = config.load(CONFIGS / "cpu-tiny.yaml", ["recipe.rollout.expert_parallel_size=2"]).cfg
+    checks = {c.name: c for c in preflight.rollout_checks(layout.from_config(bad), dims)}
+    assert not checks["rollout holds every expert"].ok
+
+
+def test_an_interrupted_preparation_is_redone(tmp_path):
+    made = []
+
+    def make(dst):
+        dst.mkdir()
+        (dst / "done").write_text("x")
+        made.append(dst)
+
+    partial = tmp_path / "tiny.partial"
+    partial.mkdir()
+    (partial / "half-written").write_text("?")  # what an interrupted run leaves
+    assert smoke.complete(tmp_path / "tiny", make) == tmp_path / "tiny"
+    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["done"] and not partial.exists()
+    smoke.complete(tmp_path / "tiny", make)
+    assert len(made) == 1, "a finished input is reused"
+
+
+def test_smoke_refuses_zero_steps(capsys):
+    assert smoke.main(["--steps", "0"]) == 2
+    assert "--steps is 0" in capsys.readouterr().err
+
+
+def test_smoke_dry_run_makes_nothing(tmp_path, capsys):
+    rc = smoke.main(["--dry-run", "--work", str(tmp_path / "work"), "--logs", str(tmp_path / "logs")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "verl.trainer.main_ppo" in out and "trainer.total_training_steps" not in out
+    assert not (tmp_path / "work").exists() and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("steps", [1, 7])
+def test_smoke_passes_steps_and_inputs_to_the_launcher(tmp_path, steps):
+    args = smoke.parser().parse_args(["--steps", str(steps), "data.train_batch_size=4"])
+    out = smoke.launcher_args(args, tmp_path / "m", tmp_path / "d")
+    assert out[0] == str(smoke.CONFIG)
+    assert f"trainer.total_training_steps={steps}" in out and "data.train_batch_size=4" in out
+    assert f"data.train_files={tmp_path / 'd' / 'train.parquet'}" in out

@@ -1,0 +1,155 @@
+"""The CPU backend of our verl series: each guarded change, exercised on this CPU machine.
+
+The end-to-end proof (verl's GRPO trainer on FSDP + HF rollout, through the launcher) is tests/recipes/test_smoke.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.verl.conftest import require, run_forked
+
+device = require("verl.utils.device")
+
+
+def test_cpu_machine_is_seen_as_cpu():
+    assert not device.is_cuda_available and not device.is_npu_available
+    assert device.get_device_name() == "cpu"
+
+
+def test_cpu_device_answers_the_memory_calls_the_workers_make():
+    cpu = device.get_torch_device()
+    assert cpu.current_device() == "cpu"
+    before = cpu.memory_allocated()
+    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    assert cpu.memory_allocated() - before > 32 * 2**20, "memory_allocated should follow the process's memory"
+    assert cpu.max_memory_reserved() >= cpu.memory_allocated() - 2**20
+    free, total = cpu.mem_get_info()
+    assert 0 < free <= total
+    cpu.empty_cache()
+    cpu.reset_peak_memory_stats()
+    assert isinstance(cpu.get_device_name(), str) and cpu.get_device_name()
+    del block
+
+
+def test_cpu_device_seeds_like_an_accelerator():
+    cpu = device.get_torch_device()
+    cpu.manual_seed(7)
+    a = torch.randn(5)
+    state = cpu.get_rng_state()
+    b = torch.randn(5)
+    cpu.manual_seed(7)
+    assert torch.equal(torch.randn(5), a)
+    cpu.set_rng_state(state)
+    assert torch.equal(torch.randn(5), b)
+
+
+def test_flops_counter_runs_on_cpu():
+    """verl's update_actor asks the device for its name to look up promised flops; CPU has no entry (inf)."""
+    flops = require("verl.utils.flops_counter")
+    assert flops.get_device_flops() == float("inf")
+
+
+def test_attention_defaults_to_sdpa_on_cpu():
+    assert device.default_attn_implementation() == "sdpa"
+
+
+def _all_reduce_worker(rank, port, world, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from verl.utils.device import get_dist_backend
+
+    torch.distributed.init_process_group(backend=get_dist_backend(), rank=rank, world_size=world)
+    t = torch.tensor([rank + 1.0])
+    torch.distributed.all_reduce(t)
+    results[rank] = (get_dist_backend(), float(t))
+    torch.distributed.destroy_process_group()
+
+
+def test_dist_backend_is_gloo_on_cpu_and_runs_a_collective():
+    results = run_forked(_all_reduce_worker, 2, 2)
+    assert results == {0: ("gloo", 3.0), 1: ("gloo", 3.0)}
+
+
+def test_remove_padding_is_refused_on_cpu_naming_the_field():
+    workers = require("verl.workers.fsdp_workers")
+    assert workers.check_remove_padding(False, "actor_rollout_ref.model.use_remove_padding") is False
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.use_remove_padding=False on CPU"):
+        workers.check_remove_padding(True, "actor_rollout_ref.model.use_remove_padding")
+
+
+def _fsdp2_load_worker(rank, port, world, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from verl.utils.fsdp_utils import fsdp2_load_full_state_dict
+
+    torch.manual_seed(rank)  # every rank starts from different weights; rank 0's must win
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model, mesh=mesh)
+    fsdp2_load_full_state_dict(model, {k: v.clone() for k, v in full.items()}, mesh)  # it replaces the values
+    got = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    results[rank] = (full, got)
+    torch.distributed.destroy_process_group()
+
+
+def test_fsdp2_loads_rank0_weights_into_cpu_shards():
+    results = run_forked(_fsdp2_load_worker, 2, 2)
+    rank0_weights = results[0][0]
+    for rank in (0, 1):
+        got = results[rank][1]
+        assert got.keys() == rank0_weights.keys()
+        for key in got:
+            assert torch.equal(got[key], rank0_weights[key]), (rank, key)
+    assert not torch.equal(results[1][0]["0.weight"], rank0_weights["0.weight"]), "the ranks should start apart"
+
+
+def test_resource_pool_counts_cpus_on_a_cpu_cluster():
+    ray = pytest.importorskip("ray")
+    trainer = require("verl.trainer.ppo.ray_trainer")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    try:
+        mapping = {trainer.Role.ActorRollout: "pool"}
+        manager = trainer.ResourcePoolManager({"pool": [2]}, mapping, device_name="cpu")
+        manager.create_resource_pool()
+        pool = manager.get_resource_pool(trainer.Role.ActorRollout)
+        assert pool.use_gpu is False
+        bundles = pool.get_placement_groups(device_name="cpu")[0].bundle_specs
+        assert bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
+        with pytest.raises(ValueError, match="Total available GPUs 1.0 is less than total desired GPUs 8"):
+            trainer.ResourcePoolManager({"big": [8]}, mapping, device_name="cpu").create_resource_pool()
+        with pytest.raises(ValueError, match="Total available GPUs 0 is less"):  # accelerator default unchanged
+            trainer.ResourcePoolManager({"gpu": [2]}, mapping).create_resource_pool()
+    finally:
+        ray.shutdown()
+
+
+def test_hf_rollout_samples_n_responses_on_cpu():
+    transformers = pytest.importorskip("transformers")
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from verl import DataProto
+
+    hf_rollout = require("verl.workers.rollout.hf_rollout")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, attn_implementation=device.default_attn_implementation()))
+    config = OmegaConf.create({"n": 3, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                               "response_length": 6, "micro_batch_size": 2,
+                               "val_kwargs": {"top_k": 0, "top_p": 1.0, "temperature": 0.0}})
+    prompts = torch.tensor([[0, 5, 6, 7], [9, 10, 11, 12]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    batch = TensorDict({"input_ids": prompts, "attention_mask": mask,
+                        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, batch_size=2)
+    out = hf_rollout.HFRollout(model, config).generate_sequences(
+        DataProto(batch=batch, meta_info={"eos_token_id": 1, "pad_token_id": 0}))
+    assert out.batch["responses"].shape == (6, 6)
+    assert out.batch["input_ids"].shape == (6, 10)
+    assert torch.equal(out.batch["prompts"][:3], prompts[:1].expand(3, -1))  # the n samples of a prompt stay together
+    assert out.batch["attention_mask"][:, :4].tolist()[0] == [0, 1, 1, 1]

@@ -1,0 +1,100 @@
+"""The end-of-run summary: verl's per-step metrics read back from the run's TensorBoard events.
+
+verl logs every step's metrics to TensorBoard when `trainer.logger` has `tensorboard` (the launcher points
+TENSORBOARD_DIR at <run dir>/tensorboard). Reading them back, rather than parsing console lines, gives the
+exact logged values; the same table serves the A3 run and the CPU smoke run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.launch import metrics
+
+REWARD = "critic/score/mean"  # verl's mean sequence score (our reward: 1 correct, 0 otherwise)
+
+
+@dataclass(frozen=True)
+class Step:
+    step: int
+    values: dict[str, float]
+
+    @property
+    def reward(self) -> float:
+        return self.values.get(REWARD, math.nan)
+
+
+def read_steps(tb_dir: Path) -> list[Step]:
+    """Every step's scalars from the TensorBoard event files under `tb_dir`, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    by_step: dict[int, dict[str, float]] = {}
+    for events in sorted(Path(tb_dir).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})  # 0: keep every point
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for point in acc.Scalars(tag):
+                by_step.setdefault(point.step, {})[tag] = point.value
+    return [Step(s, by_step[s]) for s in sorted(by_step)]
+
+
+def throughput(step: Step, samples: int, cards: int, dies_per_card: int) -> list[tuple[str, float]]:
+    """The A3 run's metric lines (tools/launch/metrics.py) for one step; empty when verl logged no timings."""
+    try:
+        stats = metrics.from_verl(step.values, samples)
+    except KeyError:
+        return []
+    return metrics.report(stats, cards, dies_per_card)
+
+
+def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> list[dict[str, float]]:
+    """One row per step: reward, response length, step time, TPS per card and per die, phase times."""
+    rows = []
+    for s in steps:
+        row = {"step": s.step, "reward mean": s.reward,
+               "response length": s.values.get("response_length/mean", math.nan),
+               "step time (s)": s.values.get("timing_s/step", math.nan)}
+        row.update(throughput(s, samples, cards, dies_per_card))
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
+    """The summary as text: a rich table of the main columns, then where the run's files are."""
+    from rich.console import Console
+    from rich.table import Table
+
+    columns = ["step", "reward mean", "response length", "step time (s)", "system TPS per card",
+               "system TPS per die", "rollout time (s)", "ref time (s)", "update time (s)"]
+    t = Table(title=f"run summary: {len(rows)} step(s)")
+    for c in columns:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*[_cell(r.get(c, math.nan)) for c in columns])
+    console = Console(width=160, record=True, force_terminal=False)
+    with console.capture() as cap:
+        console.print(t)
+    lines = [cap.get().rstrip()]
+    rewards = [r["reward mean"] for r in rows if not math.isnan(r["reward mean"])]
+    if len(rewards) >= 2:
+        lines.append(f"reward mean: first {rewards[0]:.3f}, last {rewards[-1]:.3f}, best {max(rewards):.3f}")
+    lines += [f"logs: {run_dir}/ (trainer.log, config.yaml, verl.yaml, summary.json)",
+              f"tensorboard: tensorboard --logdir {tb_dir}"]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(v) -> str:
+    if isinstance(v, int):
+        return str(v)
+    return "-" if v is None or math.isnan(v) else f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+
+
+def write(rows: list[dict[str, float]], path: Path) -> None:
+    """summary.json: the rows as logged (NaN as null), written whole or not at all."""
+    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(clean, indent=1) + "\n")
+    tmp.replace(path)
