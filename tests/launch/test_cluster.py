@@ -7,7 +7,6 @@ through the Ray Jobs API exactly as the real head submits the trainer. Everythin
 from __future__ import annotations
 
 import os
-
 import socket
 import sys
 import threading

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 from omegaconf import OmegaConf
 
