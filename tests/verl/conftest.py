@@ -13,7 +13,7 @@ def require(module: str):
         return __import__(module, fromlist=["_"])
     except ImportError as exc:
         pytest.skip(f"{module} not importable ({exc}): sync and apply the verl fork, then install it"
-                    " (nox -s tests does both)")
+                    " (nox -s tests does both)", allow_module_level=True)  # most callers run at import
 
 
 def run_forked(worker, world: int, *args) -> dict:
