@@ -1,64 +1,154 @@
 """Bytes that pass through verl's single controller per GRPO step: verl's default data flow vs
-TensorCache, for the A3 batch (512 prompts x 16 = 8192 sequences, prompt 1024 + response 3072).
+TensorCache (`actor_rollout_ref.tensor_cache.enable`), for the A3 batch: 512 prompts x 16 samples =
+8192 sequences, prompt 1024 + response 3072 tokens, Megatron TP4 PP8 DP8 on 256 workers.
 
-verl's default flow (Megatron workers, verl 0.4.0): the driver collects every rollout output, then
-dispatches each stage's inputs to every worker, each getting its data-parallel chunk, so each chunk
-is sent TP x PP = 32 times (the 256 workers of TP4 PP8 DP8). With TensorCache the batch stays on the
-devices; only what the host needs travels: responses and attention mask to the driver (reward
-decoding), advantages back, dispatched like the default flow (conservative: chunk x 32).
-Computed from the real tensor list and dtypes; no devices needed.
+The tensor list is the real one: the fit loop of verl 0.4.0 (verl/trainer/ppo/ray_trainer.py) is
+replayed on a 32-row batch of the real widths with verl's own driver functions (compute_response_mask,
+compute_advantage), and the batch's keys at each call are what that call dispatches; bytes per row
+are scaled to 8192 rows. verl's MEGATRON_COMPUTE_PROTO sends the whole batch, each DP chunk to all
+TP x PP = 32 workers of its DP rank; DP_COMPUTE_PROTO (the rollout) sends each worker its own chunk;
+meta_info (global_token_num) goes with every chunk. Non-tensor columns (uid, data_source, ...) are
+left out: a few bytes per row. The rollout's DP (256 one-per-worker, or 128 TP2 instances x 2) does
+not change what crosses the driver; it changes the on-device reshard, printed last.
 
   python benchmarks/driver_payload.py
 """
 
 from __future__ import annotations
 
-B, P, R = 8192, 1024, 3072  # sequences, prompt length, response length
-L = P + R
-REPLICAS = 4 * 8  # TP x PP: workers sharing one data-parallel chunk
-I64, F32 = 8, 4
+import pickle
 
-TENSORS = {  # name: bytes for the whole batch
-    "prompts": B * P * I64,
-    "responses": B * R * I64,
-    "input_ids": B * L * I64,
-    "attention_mask": B * L * I64,
-    "position_ids": B * L * I64,
-    "ref_log_prob": B * R * F32,
-    "old_log_probs": B * R * F32,  # = log_prob.detach() on-policy: still dispatched by verl's flow
-    "advantages": B * R * F32,
-}
+import numpy as np
+import torch
+from verl import DataProto
+from verl.trainer.ppo.ray_trainer import AdvantageEstimator, compute_advantage, compute_response_mask
+
+PROMPTS, N, P, R = 512, 16, 1024, 3072
+B, SMALL = PROMPTS * N, 2 * N  # the A3 batch; the replayed batch (two prompts' groups)
+TP, PP, DP = 4, 8, 8
+WORKERS, REPLICAS = TP * PP * DP, TP * PP
 MODEL_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses"]
 
-DEFAULT = [  # (what, tensors, copies)
-    ("rollout -> driver", ["prompts", "responses", "input_ids", "attention_mask", "position_ids"], 1),
-    ("driver -> ref workers", MODEL_INPUTS, REPLICAS),
-    ("ref -> driver", ["ref_log_prob"], 1),
-    ("driver -> actor update", MODEL_INPUTS + ["old_log_probs", "ref_log_prob", "advantages"], REPLICAS),
-]
-TENSOR_CACHE = [
-    ("rollout -> driver (reward)", ["responses", "attention_mask"], 1),
-    ("driver -> workers", ["advantages"], REPLICAS),
-]
+
+def row_bytes(data: DataProto, keys) -> int:
+    return sum(data.batch[k][0].numel() * data.batch[k].element_size() for k in keys)
 
 
-def total(flow) -> float:
-    return sum(sum(TENSORS[t] for t in tensors) * copies for _, tensors, copies in flow)
+def meta_bytes(data: DataProto) -> int:
+    """meta_info at full size: global_token_num holds one int per sequence."""
+    meta = dict(data.meta_info)
+    if "global_token_num" in meta:
+        meta["global_token_num"] = [P + R // 2] * B
+    return len(pickle.dumps(meta))
 
 
-def show(name: str, flow) -> None:
+def rollout_output(prompts: DataProto) -> DataProto:
+    """What verl 0.4.0's vLLM rollout returns (vllm_rollout_spmd.py), with its dtypes."""
+    idx = prompts.batch["input_ids"].repeat_interleave(N, 0)
+    response_mask = torch.ones(SMALL, R, dtype=torch.long)
+    mask = torch.cat([prompts.batch["attention_mask"].repeat_interleave(N, 0), response_mask], 1)
+    responses = torch.randint(0, 1000, (SMALL, R))
+    return DataProto.from_dict(tensors={
+        "prompts": idx, "responses": responses, "input_ids": torch.cat([idx, responses], 1),
+        "rollout_log_probs": torch.zeros(SMALL, R), "attention_mask": mask, "position_ids": mask.cumsum(-1) - 1})
+
+
+def log_probs(*names: str) -> DataProto:
+    return DataProto.from_dict(tensors={n: torch.zeros(SMALL, R) for n in names})  # fp32, as the actor returns them
+
+
+def default_flow(recompute_old_log_prob: bool) -> list[tuple[str, int, int]]:
+    """(stage, bytes the driver sends, bytes it receives) replaying verl's fit loop."""
+    stages = []
+    mask = torch.ones(2, P, dtype=torch.long)
+    gen_batch = DataProto.from_dict(tensors={"input_ids": torch.zeros(2, P, dtype=torch.long),
+                                             "attention_mask": mask, "position_ids": mask.cumsum(-1) - 1})
+    out = rollout_output(gen_batch)
+    stages.append(("generate_sequences", row_bytes(gen_batch, gen_batch.batch.keys()) * PROMPTS,
+                   row_bytes(out, out.batch.keys()) * B))  # DP_COMPUTE_PROTO: every worker its own chunk
+    batch = out
+    batch.batch["response_mask"] = compute_response_mask(batch)
+    batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+
+    def megatron_call(name: str, result: DataProto | None) -> None:
+        sent = row_bytes(batch, batch.batch.keys()) * B * REPLICAS + meta_bytes(batch) * WORKERS
+        stages.append((name, sent, row_bytes(result, result.batch.keys()) * B if result else 0))
+
+    if recompute_old_log_prob:
+        megatron_call("compute_log_prob", log_probs("old_log_probs", "entropys"))
+        batch = batch.union(log_probs("old_log_probs"))  # the trainer pops entropys
+    megatron_call("compute_ref_log_prob", log_probs("ref_log_prob"))
+    batch = batch.union(log_probs("ref_log_prob"))
+    batch.batch["token_level_scores"] = torch.zeros(SMALL, R)  # NaiveRewardManager: fp32 like responses
+    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+    batch.non_tensor_batch["uid"] = np.array(["a"] * N + ["b"] * N, dtype=object)
+    batch = compute_advantage(batch, AdvantageEstimator.GRPO, num_repeat=N)
+    megatron_call("update_actor", None)
+    return stages
+
+
+def request_bytes() -> int:
+    """What DP_COMPUTE_CACHED sends each worker instead of tensors: a CacheRequest with 256 DP ranks."""
+    fields = dict(stage="train", num_rows=B, get_keys=tuple(MODEL_INPUTS) + ("ref_log_prob",), return_keys=(),
+                  meta_info={}, dp_rank_of=tuple(r // TP % DP for r in range(WORKERS)), collect=False)
+    try:
+        from verl.single_controller.base.cached_dispatch import CacheRequest
+    except ImportError:  # the stack's verl predates the dispatch mode: the same fields as a dict
+        return len(pickle.dumps(fields))
+    return len(pickle.dumps(CacheRequest(**fields)))
+
+
+def tensor_cache_flow() -> list[tuple[str, int, int]]:
+    """verl/trainer/ppo/tensor_cache_flow.py: prompts in, responses + attention mask back, advantages in."""
+    mask = torch.ones(2, P, dtype=torch.long)
+    gen_batch = DataProto.from_dict(tensors={"input_ids": torch.zeros(2, P, dtype=torch.long),
+                                             "attention_mask": mask, "position_ids": mask.cumsum(-1) - 1})
+    out = rollout_output(gen_batch)
+    request = request_bytes()
+    advantages = log_probs("advantages")
+    advantages.meta_info["global_token_num"] = []
+    return [
+        ("generate_sequences_cached", row_bytes(gen_batch, gen_batch.batch.keys()) * PROMPTS + request * WORKERS,
+         row_bytes(out, ["responses", "attention_mask"]) * B),
+        ("compute_ref_log_prob_cached", request * WORKERS, 0),
+        ("update_actor_cached", row_bytes(advantages, ["advantages"]) * B * REPLICAS
+         + (meta_bytes(advantages) + request) * WORKERS, 0),
+    ]
+
+
+def device_reshard() -> tuple[int, int]:
+    """Rows moved on the devices instead, rollout DP 256 -> train DP 8 (Megatron rank order TP, DP, PP):
+    the largest any worker receives and the total, in bytes of the model inputs."""
+    from verl.utils.reshard.plan import row_moves
+    from verl.utils.reshard.tensor_cache import layout_rows
+
+    have = layout_rows(B, WORKERS, list(range(WORKERS)))
+    need = layout_rows(B, DP, [rank // TP % DP for rank in range(WORKERS)])
+    received = [0] * WORKERS
+    for _, dst, rows in row_moves(have, need):
+        received[dst] += len(rows)
+    per_row = 3 * (P + R) * 8 + R * 8  # input_ids, attention_mask, position_ids, responses (int64)
+    return max(received) * per_row, sum(received) * per_row
+
+
+def show(name: str, stages) -> float:
     print(f"{name}:")
-    for what, tensors, copies in flow:
-        gb = sum(TENSORS[t] for t in tensors) * copies / 1e9
-        print(f"  {what:28} {gb:8.2f} GB  ({', '.join(tensors)}{f' x {copies}' if copies > 1 else ''})")
-    print(f"  {'total':28} {total(flow) / 1e9:8.2f} GB")
+    for stage, sent, got in stages:
+        print(f"  {stage:30} out {sent / 1e9:8.3f} GB   back {got / 1e9:7.3f} GB")
+    total = sum(s + g for _, s, g in stages)
+    print(f"  {'total':30} {total / 1e9:8.3f} GB")
+    return total
 
 
 def main() -> None:
-    show("verl 0.4.0 default flow", DEFAULT)
-    show("TensorCache", TENSOR_CACHE)
-    print(f"driver payload per step: {total(DEFAULT) / 1e9:.1f} GB -> {total(TENSOR_CACHE) / 1e9:.1f} GB,"
-          f" ratio {total(DEFAULT) / total(TENSOR_CACHE):.1f}x less")
+    upstream = show("verl 0.4.0 default flow, recompute_old_log_prob=true (verl's default)", default_flow(True))
+    a3 = show("verl default flow, A3 profile (on-policy: no old_log_prob stage)", default_flow(False))
+    cached = show("TensorCache (A3 profile)", tensor_cache_flow())
+    peak, total = device_reshard()
+    print(f"moved on the devices instead (one all_to_all per input before the ref): {total / 1e9:.1f} GB in all,"
+          f" at most {peak / 1e9:.3f} GB into one worker")
+    print(f"driver payload per step: upstream {upstream / 1e9:.1f} GB, A3 default flow {a3 / 1e9:.1f} GB ->"
+          f" TensorCache {cached / 1e9:.2f} GB, ratio {a3 / cached:.1f}x less ({upstream / cached:.1f}x vs upstream)")
 
 
 if __name__ == "__main__":
