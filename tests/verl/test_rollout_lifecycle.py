@@ -1,0 +1,488 @@
+"""verl series: the rollout lifecycle without vLLM sleep mode (rollout.lifecycle=manual) and vLLM's
+external DP groups (rollout.data_parallel_size).
+
+The order test drives verl's real MegatronVLLMShardingManager.__enter__/__exit__ and the real
+VLLMManualEngine over a tiny torch model and vLLM's real EngineCore (our series' free_kv_cache /
+reinit_kv_cache, with a stub executor for the devices, as tests/vllm does), and records every call.
+The DP tests feed the derived environment to vLLM's own ParallelConfig and get_ip."""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("VLLM_PLUGINS", "none")  # never let a platform plugin import torch_npu here
+torch = pytest.importorskip("torch")
+
+from tests.verl.conftest import require  # noqa: E402
+
+lc = require("verl.workers.sharding_manager.rollout_lifecycle")
+dpg = require("verl.workers.rollout.vllm_rollout.dp_groups")
+core_mod = pytest.importorskip("vllm.v1.engine.core", reason="vLLM (our fork) is not installed")
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+if not hasattr(core_mod.EngineCore, "reinit_kv_cache"):
+    pytest.skip("the vLLM series is not applied to the installed vLLM", allow_module_level=True)
+
+
+# ---------------------------------------------------------------- fakes that record
+
+
+class StubExecutor:
+    """One worker with one attention layer; the KV cache is 'present' between init and free."""
+
+    def __init__(self, calls):
+        self.calls, self.kv_present = calls, False
+
+    def get_kv_cache_specs(self):
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, use_mla=False)
+        return [{"model.layers.0.self_attn": spec}]
+
+    def determine_available_memory(self):
+        return [8 << 20]
+
+    def initialize_from_config(self, kv_cache_configs):
+        self.kv_present = True
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(f"worker.{method}")
+        self.kv_present = method == "initialize_from_config"
+
+
+class StubScheduler:
+    def get_num_unfinished_requests(self):
+        return 0
+
+    def reset_prefix_cache(self):
+        return True
+
+
+class TinyVLLMModel(torch.nn.Module):
+    """Stands in for vLLM's model on the driver worker: real parameters, vLLM's load_weights shape."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+        self.embed = torch.nn.Embedding(8, 4)
+        self.proj = torch.nn.Linear(4, 4, bias=False)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        self.calls.append("model.load_weights")
+        return loaded
+
+
+class FakeTrainer:
+    """Megatron's side: params can be on the device or not; records the lifecycle's calls."""
+
+    def __init__(self, calls, weights):
+        self.calls, self.weights, self.params_on_device = calls, weights, True
+
+    def offload_params(self):
+        self.calls.append("trainer.offload_params")
+        self.params_on_device = False
+
+    def offload_grads(self):
+        self.calls.append("trainer.offload_grads")
+
+
+def vllm_config():
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks_override=None, block_size=16),
+        model_config=SimpleNamespace(max_model_len=64, dtype=torch.float32),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+    )
+
+
+def fake_llm(calls):
+    """An object with the attribute paths verl and VLLMManualEngine use on vLLM 0.9.1's LLM."""
+    core = core_mod.EngineCore.__new__(core_mod.EngineCore)  # __init__ would build a model
+    core.model_executor, core.scheduler = StubExecutor(calls), StubScheduler()
+    core._initialize_kv_caches(vllm_config())
+    model = TinyVLLMModel(calls)
+    runner = SimpleNamespace(model=model)
+    engine = SimpleNamespace(
+        model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))),
+        engine_core=SimpleNamespace(engine_core=core),
+        vllm_config=vllm_config(),
+    )
+    return SimpleNamespace(
+        llm_engine=engine,
+        sleep=lambda level: calls.append(f"llm.sleep(level={level})"),
+        wake_up=lambda tags=None: calls.append(f"llm.wake_up({tags})"),
+    ), model, core
+
+
+def sharding_manager(llm, lifecycle, trainer, calls):
+    """verl's MegatronVLLMShardingManager without its process groups; only the weight source is faked."""
+    mv = require("verl.workers.sharding_manager.megatron_vllm")
+    manager = mv.MegatronVLLMShardingManager.__new__(mv.MegatronVLLMShardingManager)
+    manager.inference_engine, manager.lifecycle, manager.actor_module = llm, lifecycle, []
+    manager.model_config = manager.transformer_config = manager.layer_name_mapping = manager.weight_converter = None
+    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    def weight_generator(*_):
+        calls.append("reshard")
+        assert trainer.params_on_device, "the reshard reads the Megatron params: they must still be on the device"
+        assert all(p.numel() for p in model.parameters()), "the reshard writes into onloaded buffers"
+        yield from trainer.weights.items()
+
+    manager.weight_generator = weight_generator
+    return manager
+
+
+# ---------------------------------------------------------------- the order of a step
+
+
+def test_manual_step_order_on_a_fake_engine(monkeypatch):
+    calls = []
+    llm, model, core = fake_llm(calls)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    trainer = FakeTrainer(calls, {n: torch.full(s, 3.0) for n, s in shapes.items()})
+    for owner, name in ((lc.VLLMManualEngine, "onload_weights"), (lc.VLLMManualEngine, "offload_weights"),
+                        (lc, "post_process_attention")):
+        monkeypatch.setattr(owner, name, _recorded(getattr(owner, name), calls, f"engine.{name}"))
+
+    lifecycle = lc.build_after_engine(llm, lc.lifecycle_mode({"lifecycle": "manual"}))  # vLLMRollout.__init__'s hook
+    assert all(p.numel() == 0 for p in model.parameters()) and not core.model_executor.kv_present
+    lifecycle.trainer = trainer  # what attach_trainer does in the Megatron worker
+    manager = sharding_manager(llm, lifecycle, trainer, calls)
+    calls.append("--- rollout")
+    with manager:
+        assert core.model_executor.kv_present and lifecycle.state == "rollout"
+        assert all(torch.equal(p, torch.full(shapes[n], 3.0)) for n, p in model.named_parameters())
+        assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    calls.append("--- update")
+    lifecycle.after_update()  # update_actor's hook, with param_offload
+
+    assert calls == [
+        "worker.free_kv_cache", "engine.offload_weights",  # park after the engine is built
+        "--- rollout",
+        "engine.onload_weights", "reshard", "model.load_weights", "engine.post_process_attention",
+        "trainer.offload_params", "worker.initialize_from_config",
+        "worker.free_kv_cache", "engine.offload_weights",
+        "--- update",
+        "trainer.offload_grads",
+    ]
+    assert all(p.numel() == 0 for p in model.parameters()) and not core.model_executor.kv_present
+
+
+def test_default_sleep_step_order_is_verls():
+    calls = []
+    llm, model, _ = fake_llm(calls)
+    trainer = FakeTrainer(calls, {n: torch.ones_like(p) for n, p in model.named_parameters()})
+    assert lc.build_after_engine(llm, lc.lifecycle_mode({})) is None  # absent key = sleep
+    with sharding_manager(llm, None, trainer, calls):
+        calls.append("generate")
+    assert calls == ["llm.sleep(level=1)", "llm.wake_up(['weights'])", "reshard", "model.load_weights", "generate",
+                     "llm.sleep(level=1)"]
+
+
+def _recorded(fn, calls, label):
+    def wrapper(*args, **kwargs):
+        calls.append(label)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def test_manual_onload_makes_fresh_buffers_without_host_copies():
+    calls = []
+    llm, model, _ = fake_llm(calls)
+    engine = lc.VLLMManualEngine(llm)
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    engine.offload_weights()
+    engine.onload_weights()
+    assert all(p.shape != torch.Size([0]) for p in model.parameters())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} != before, "onload allocates new buffers"
+
+
+def test_mla_post_processing_reaches_every_attention_layer():
+    from vllm.attention.layer import Attention
+
+    done = []
+
+    def attention():
+        layer = Attention.__new__(Attention)  # Attention.__init__ needs a vLLM config and a backend
+        torch.nn.Module.__init__(layer)
+        layer.impl = SimpleNamespace(process_weights_after_loading=done.append)
+        return layer
+
+    model = torch.nn.ModuleDict({"a": attention(), "mlp": torch.nn.Linear(2, 2), "b": attention()})
+    assert lc.post_process_attention(model, torch.bfloat16) == 2 and done == [torch.bfloat16, torch.bfloat16]
+
+
+class TinyMLAModel(torch.nn.Module):
+    """kv_b_proj and an attention layer whose impl is vLLM 0.9.1's own MLACommonImpl (GPU path), so that
+    W_UK_T / W_UV are derived by vLLM's code: views of kv_b_proj's weight."""
+
+    LORA, HEADS, NOPE, V = 8, 2, 4, 4
+
+    def __init__(self):
+        from vllm.attention.layer import Attention
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.v1.attention.backends.mla.common import MLACommonImpl
+
+        super().__init__()
+        self.kv_b_proj = torch.nn.Linear(self.LORA, self.HEADS * (self.NOPE + self.V), bias=False)
+        self.kv_b_proj.quant_method = UnquantizedLinearMethod()
+        class DecodeLess(MLACommonImpl):  # the abstract decode kernel is not used here
+            def _forward_decode(self, *args):
+                raise NotImplementedError
+
+        impl = DecodeLess.__new__(DecodeLess)  # __init__ needs a backend and a vLLM config
+        impl.kv_b_proj, impl.kv_lora_rank, impl.num_heads = self.kv_b_proj, self.LORA, self.HEADS
+        impl.qk_nope_head_dim, impl.v_head_dim = self.NOPE, self.V
+        self.attn = Attention.__new__(Attention)  # Attention.__init__ needs a vLLM config
+        torch.nn.Module.__init__(self.attn)
+        self.attn.impl = impl
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+        return set(params)
+
+    def expected_w_uv(self, weight):
+        w = weight.T.view(self.LORA, self.HEADS, self.NOPE + self.V)
+        return w[..., self.NOPE:].transpose(0, 1)
+
+
+def test_mla_derivatives_are_released_with_the_weights_and_derived_from_the_new_ones():
+    calls = []
+    llm, _, _ = fake_llm(calls)
+    model = TinyMLAModel()
+    llm.llm_engine.model_executor.driver_worker.worker.model_runner.model = model
+    engine = lc.VLLMManualEngine(llm)
+    engine.load_weights([("kv_b_proj.weight", torch.randn(16, 8))])
+    old = model.kv_b_proj.weight.detach().clone()
+    assert torch.equal(model.attn.impl.W_UV, model.expected_w_uv(old))
+
+    engine.offload_weights()
+    assert model.kv_b_proj.weight.numel() == 0
+    assert model.attn.impl.W_UV.numel() == model.attn.impl.W_UK_T.numel() == 0, "views would pin kv_b_proj"
+
+    engine.onload_weights()
+    new = torch.randn(16, 8)
+    engine.load_weights([("kv_b_proj.weight", new)])
+    assert torch.equal(model.attn.impl.W_UV, model.expected_w_uv(new)), "MLA must use the updated weights"
+    assert not torch.equal(model.attn.impl.W_UV, model.expected_w_uv(old))
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_unknown_lifecycle_is_refused_with_the_key_and_the_choices():
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.lifecycle='sleeep'.*sleep, manual"):
+        lc.lifecycle_mode({"lifecycle": "sleeep"})
+
+
+def test_out_of_order_calls_are_refused():
+    calls = []
+    llm, _, _ = fake_llm(calls)
+    lifecycle = lc.build_after_engine(llm, "manual")
+    with pytest.raises(RuntimeError, match="exit_rollout called in state 'parked', expected 'rollout'"):
+        lifecycle.exit_rollout()
+    lifecycle.trainer = FakeTrainer(calls, {})
+    lifecycle.enter_rollout(lambda: iter(()))
+    with pytest.raises(RuntimeError, match="after_update called in state 'rollout', expected 'parked'"):
+        lifecycle.after_update()
+
+
+def test_manual_needs_the_in_process_engine_core():
+    calls = []
+    llm, _, _ = fake_llm(calls)
+    llm.llm_engine.engine_core = SimpleNamespace()  # a multiprocess client holds no EngineCore
+    with pytest.raises(RuntimeError, match="lifecycle=manual needs vLLM's in-process EngineCore"):
+        lc.VLLMManualEngine(llm).free_kv_cache()
+
+
+# ---------------------------------------------------------------- DP groups
+
+
+def rank_table(nodes: int, per_node: int) -> list[str]:
+    return [f"10.0.{n // 250}.{n % 250 + 1}" for n in range(nodes) for _ in range(per_node)]
+
+
+def vllm_dp_groups(world: int, dp: int, tp: int, pp: int = 1) -> list[list[int]]:
+    """vLLM 0.9.1's own DP groups (parallel_state.initialize_model_parallel), for comparison."""
+    all_ranks = torch.arange(world).reshape(-1, dp, pp, tp)
+    return [x.tolist() for x in all_ranks.transpose(1, 3).reshape(-1, dp).unbind(0)]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "per_node", "instances", "dp", "tp"),
+    [
+        (16, 16, 1, 128, 2),  # A3: 16 nodes x 16 dies, one instance DP128 x TP2
+        (16, 16, 2, 64, 2),  # A3: the same cards as two instances DP64 x TP2
+        (32, 16, 2, 128, 2),  # two instances DP128 x TP2 need 512 dies: 32 A3 nodes
+        (32, 8, 2, 64, 2),  # 8-card nodes
+        (2, 4, 4, 2, 1),
+    ],
+)
+def test_dp_groups_are_vllms_and_each_has_its_own_master(nodes, per_node, instances, dp, tp):
+    ips = rank_table(nodes, per_node)
+    groups = dpg.dp_groups(ips, tp=tp, dp=dp, base_port=30000)
+    assert [list(g.ranks) for g in groups] == vllm_dp_groups(len(ips), dp, tp)
+    assert len(groups) == instances * tp and {g.instance for g in groups} == set(range(instances))
+    assert all(g.master_ip == ips[g.ranks[0]] for g in groups), "the master is the node of DP rank 0"
+    assert len({(g.master_ip, g.master_port) for g in groups}) == len(groups), "no two groups share a store"
+    assert [g.master_port for g in groups] == [30000 + i * dpg.PORT_STRIDE for i in range(len(groups))]
+    for group in groups:
+        for dp_rank, rank in enumerate(group.ranks):
+            env = dpg.dp_env(rank, ips, tp=tp, dp=dp, base_port=30000)
+            assert env["VLLM_DP_RANK"] == str(dp_rank) and env["VLLM_DP_SIZE"] == str(dp)
+            assert (env["VLLM_DP_MASTER_IP"], env["VLLM_DP_MASTER_PORT"]) == (group.master_ip, str(group.master_port))
+            assert env["VLLM_HOST_IP"] == ips[rank]
+            assert env["VLLM_DP_RANK_LOCAL"] == str(dp_rank % max(1, per_node // tp))
+
+
+def test_a3_two_instances_of_dp128_tp2():
+    ips = rank_table(32, 16)
+    envs = {rank: dpg.dp_env(rank, ips, tp=2, dp=128) for rank in (0, 1, 300, 301)}
+    base, stride = dpg.DEFAULT_BASE_PORT, dpg.PORT_STRIDE
+    # instance 0: TP ranks 0 and 1 of DP rank 0 host two stores on node 0, on two ports
+    assert [(envs[r]["VLLM_DP_MASTER_IP"], int(envs[r]["VLLM_DP_MASTER_PORT"])) for r in (0, 1)] == [
+        (ips[0], base), (ips[0], base + stride)]
+    # instance 1 starts at rank 256 (node 16): rank 300 is its DP rank 22, TP rank 0
+    assert [(envs[r]["VLLM_DP_MASTER_IP"], int(envs[r]["VLLM_DP_MASTER_PORT"])) for r in (300, 301)] == [
+        (ips[256], base + 2 * stride), (ips[256], base + 3 * stride)]
+    assert ips[256] != ips[0] and envs[300]["VLLM_DP_RANK"] == envs[301]["VLLM_DP_RANK"] == "22"
+    assert envs[300]["VLLM_DP_RANK_LOCAL"] == "6"  # node 18 holds DP ranks 16..23 of instance 1
+
+
+def test_vllm_reads_the_derived_environment_and_never_probes_the_network(monkeypatch):
+    from vllm.config import ParallelConfig
+    from vllm.utils import get_ip
+
+    ips = rank_table(4, 4)
+    env = dpg.dp_env(13, ips, tp=2, dp=4)  # instance 1 = ranks 8..15: rank 13 is DP rank 2, TP rank 1
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+    def no_connect(*_):
+        raise AssertionError("vLLM connected out to find its address")
+
+    monkeypatch.setattr(socket.socket, "connect", no_connect)
+    assert get_ip() == ips[13]
+    config = ParallelConfig(tensor_parallel_size=2)  # data_parallel_size left at 1: vLLM reads VLLM_DP_*
+    assert (config.data_parallel_size, config.data_parallel_rank) == (4, 2)
+    master = (config.data_parallel_master_ip, config.data_parallel_master_port)
+    assert master == (ips[9], dpg.DEFAULT_BASE_PORT + 3 * dpg.PORT_STRIDE)  # group 3: instance 1, TP rank 1
+
+
+def test_dp_refusals_name_the_field():
+    with pytest.raises(ValueError, match=r"do not split .*data_parallel_size=3"):
+        dpg.dp_groups(rank_table(2, 4), tp=2, dp=3)
+    with pytest.raises(ValueError, match=r"dp_master_port=65500"):
+        dpg.dp_groups(rank_table(2, 4), tp=1, dp=2, base_port=65500)
+    with pytest.raises(ValueError, match="loopback"):
+        dpg.dp_groups(["127.0.0.1", "10.0.0.2"], tp=1, dp=1)
+    with pytest.raises(ValueError, match="unspecified"):
+        dpg.dp_groups(["0.0.0.0", "0.0.0.0"], tp=1, dp=2)
+    with pytest.raises(ValueError):
+        dpg.dp_groups(["node-a", "node-a"], tp=1, dp=2)
+
+
+def test_a_taken_master_port_is_refused_by_the_groups_dp_rank_0():
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert not dpg.port_is_free(port)
+        groups = [dpg.DPGroup(0, 0, (4, 5), "10.0.0.1", port)]
+        with pytest.raises(RuntimeError, match=rf"ports \[{port}\] on 10.0.0.1 are in use"):
+            dpg.check_master_port(groups, 4)
+        dpg.check_master_port(groups, 5)  # only the rank that will host the store checks
+    assert dpg.port_is_free(port)
+
+
+# ---------------------------------------------------------------- trainer side and config
+
+
+def fake_ddp_chunk(numel: int):
+    """A Megatron DDP chunk with one param/grad buffer (DDP.__init__ allocates on the accelerator)."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+
+    chunk = DDP.__new__(DDP)
+    torch.nn.Module.__init__(chunk)
+    chunk.buffers = [SimpleNamespace(param_data=torch.arange(numel, dtype=torch.float32), grad_data=torch.ones(numel))]
+    bf16 = dict(dtype=torch.bfloat16)
+    chunk.expert_parallel_buffers = [SimpleNamespace(param_data=torch.ones(3, **bf16), grad_data=torch.ones(3, **bf16))]
+    return chunk
+
+
+def test_after_update_offloads_grads_only_and_verl_reloads_them():
+    from verl.utils.megatron_utils import load_megatron_model_to_gpu
+
+    chunks = [fake_ddp_chunk(10)]
+    lc.MegatronTrainer(chunks, offload_params=True).offload_grads()
+    buffers = [*chunks[0].buffers, *chunks[0].expert_parallel_buffers]
+    assert all(b.grad_data.untyped_storage().size() == 0 for b in buffers), "grads released"
+    assert torch.equal(buffers[0].param_data, torch.arange(10, dtype=torch.float32)), "params kept for the reshard"
+    load_megatron_model_to_gpu(chunks)  # update_actor's reload: verl's helper must find the sizes it needs
+    assert [b.grad_data.numel() for b in buffers] == [10, 3] and all(not b.grad_data.any() for b in buffers)
+
+
+def test_without_param_offload_the_grads_stay():
+    chunks = [fake_ddp_chunk(4)]
+    lc.MegatronTrainer(chunks, offload_params=False).offload_grads()
+    assert chunks[0].buffers[0].grad_data.untyped_storage().size() > 0, "verl reloads grads only with param_offload"
+
+
+def test_the_megatron_config_defaults_to_sleep_and_fsdp_refuses_manual():
+    from omegaconf import OmegaConf
+
+    yaml = os.path.join(os.path.dirname(lc.__file__), "../../trainer/config/ppo_megatron_trainer.yaml")
+    rollout = OmegaConf.load(yaml).actor_rollout_ref.rollout
+    OmegaConf.set_struct(rollout, True)
+    assert lc.lifecycle_mode(rollout) == "sleep" and rollout.data_parallel_size == 1
+    rollout.lifecycle = "manual"
+    assert lc.lifecycle_mode(rollout) == "manual"
+    with pytest.raises(ValueError, match="lifecycle=manual is wired for the Megatron worker .* not for the FSDP"):
+        lc.require_sleep_mode(rollout, "the FSDP worker")
+    lc.require_sleep_mode(OmegaConf.create({}), "the FSDP worker")  # absent key: verl's default
+
+
+def _apply_dp_env_worker(rank, port, base_port, results):
+    import torch.distributed as dist
+
+    os.environ["VLLM_HOST_IP"] = f"10.0.0.{rank // 2 + 1}"  # two ranks per "node"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        config = {"data_parallel_size": 2, "tensor_model_parallel_size": 1, "dp_master_port": base_port}
+        results[rank] = dpg.apply_dp_env(config, rank, 4)
+        assert os.environ["VLLM_DP_MASTER_IP"] == results[rank]["VLLM_DP_MASTER_IP"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_apply_dp_env_gathers_the_rank_table_over_the_world():
+    from tests.gloo import free_port, run_processes
+
+    base = free_port()  # a port free here; the masters' check binds it on this machine
+    envs = run_processes(_apply_dp_env_worker, 4, base)
+    assert [envs[r]["VLLM_DP_MASTER_IP"] for r in range(4)] == ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
+    assert [int(envs[r]["VLLM_DP_MASTER_PORT"]) for r in range(4)] == [base, base, base + 16, base + 16]  # tp=1
+    assert [envs[r]["VLLM_DP_RANK"] for r in range(4)] == ["0", "1", "0", "1"]
+    assert dpg.apply_dp_env({}, 0, 1) == {}, "data_parallel_size 1 leaves vLLM's environment alone"
+
+
+def test_node_ip_comes_from_rays_node_table(monkeypatch):
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    nodes = [{"NodeID": "a", "NodeManagerAddress": "10.1.0.1"}, {"NodeID": "b", "NodeManagerAddress": "10.1.0.2"}]
+    ray = SimpleNamespace(is_initialized=lambda: True, nodes=lambda: nodes,
+                          get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "b"))
+    assert dpg.node_ip(ray) == "10.1.0.2"
+    with pytest.raises(RuntimeError, match="data_parallel_size > 1 needs the rank table"):
+        dpg.node_ip(SimpleNamespace(is_initialized=lambda: False))
+    monkeypatch.setenv("VLLM_HOST_IP", "10.9.9.9")
+    assert dpg.node_ip(ray) == "10.9.9.9"
