@@ -45,7 +45,10 @@ def build_rollout(name: str, overrides: list[str]) -> dict:
     from verl.workers.rollout.vllm_rollout import vllm_rollout_spmd as spmd
 
     assert vllm_mode == "spmd", f"verl picked its {vllm_mode} rollout for this vLLM"
-    recipe = config.load(CONFIGS / f"{name}.yaml", overrides)
+    # vLLM DP needs the rank table of a real cluster and the manual lifecycle parks a real engine (both in
+    # tests/verl/test_rollout_lifecycle.py); this test is about what reaches the engine's constructor
+    recipe = config.load(CONFIGS / f"{name}.yaml", [*overrides, "actor_rollout_ref.rollout.data_parallel_size=1",
+                                                    "actor_rollout_ref.rollout.lifecycle=sleep"])
     rollout_cfg = config.verl_config(recipe.cfg, config.verl_base()).actor_rollout_ref.rollout
     dims, _ = config.model_dims(recipe)
     calls = []
