@@ -77,7 +77,7 @@ def test_a3_profiles_carry_the_reference_values():
         assert (v(a + "use_kl_loss"), v(a + "kl_loss_type"), v(a + "kl_loss_coef")) == (True, "low_var_kl", 0.001)
         r = "actor_rollout_ref.rollout."
         assert (v(r + "tensor_model_parallel_size"), v(r + "gpu_memory_utilization"), v(r + "enforce_eager"),
-                v(r + "max_num_batched_tokens"), v(r + "enable_chunked_prefill")) == (2, 0.8, False, 1024, True)
+                v(r + "max_num_batched_tokens"), v(r + "enable_chunked_prefill")) == (2, 0.8, False, 4096, True)
         assert (v(r + "temperature"), v(r + "top_k"), v(r + "top_p")) == (0.9, 50, 0.9)
         assert v("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu") == 8
         assert v(r + "log_prob_micro_batch_size_per_gpu") == 4

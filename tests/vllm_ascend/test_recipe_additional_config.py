@@ -5,9 +5,9 @@
     rollout block. Stubbed: only the engine, i.e. `vllm.LLM` in the verl module's namespace is a recorder of its
     keyword arguments (with the `sleep` that the constructor calls). The constructor's one distributed call,
     get_world_size (verl asserts rollout TP <= world), is answered by a real 2-rank gloo group (TP2). It runs in
-    spawned processes, away from this directory's torch_npu stubs. One override: rollout.max_num_batched_tokens =
-    max_model_len (4096), because with the profiles' 1024 verl 0.4.0's constructor raises (a known limit, see
-    recipes/deepseek_r1/README.md) and so does vLLM-Ascend 0.9.1's ascend scheduler (shown below).
+    spawned processes, away from this directory's torch_npu stubs. The profiles' prefill budget is 4096
+    (= max_model_len): the reference's 1024 is refused at our pins by verl 0.4.0's constructor and by vLLM-Ascend
+    0.9.1's ascend scheduler (both shown below; recipes/deepseek_r1/README.md).
 (b) The recorded keyword arguments are fed to vLLM-Ascend's own code, from the fork's tree with the device
     modules stubbed (conftest): AscendConfig, NPUModelRunner.check_torchair_graph_batch_sizes on a runner built
     without __init__ (which needs a device), AscendSchedulerConfig.initialize_from_config on vLLM's real
@@ -34,7 +34,7 @@ from tools.launch import config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "deepseek_r1" / "configs"
 A3 = ("a3-128-true-weight", "a3-128-random-init")
-BUDGET = "actor_rollout_ref.rollout.max_num_batched_tokens=4096"  # = max_model_len; see the module docstring
+REFERENCE_BUDGET = "actor_rollout_ref.rollout.max_num_batched_tokens=1024"  # the reference's; see the docstring
 
 
 def build_rollout(name: str, overrides: list[str]) -> dict:
@@ -73,9 +73,9 @@ def rollout_worker(rank, port, world, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         if rank == 0:  # one engine is enough to see what verl hands it; the other ranks only make the world
-            out = {name: build_rollout(name, [BUDGET]) for name in A3}
+            out = {name: build_rollout(name, []) for name in A3}
             try:
-                build_rollout(A3[0], [])
+                build_rollout(A3[0], [REFERENCE_BUDGET])
                 out["as-is"] = "constructed"
             except ValueError as exc:
                 out["as-is"] = str(exc)
@@ -118,8 +118,8 @@ def test_verl_hands_the_profiles_additional_config_to_the_engine(engine_kwargs, 
     assert kwargs["sleep(level)"] == 1
 
 
-def test_the_profiles_token_budget_is_refused_by_verl_as_it_stands(engine_kwargs):
-    """Why the override: without it verl 0.4.0 stops in the constructor (chunked prefill + 1024 < 4096)."""
+def test_the_reference_token_budget_is_refused_by_verl(engine_kwargs):
+    """Why the profiles use 4096: with the reference's 1024 verl 0.4.0 stops in its constructor (chunked prefill)."""
     assert "max_num_batched_tokens is smaller than max_model_len" in engine_kwargs["as-is"]
 
 
@@ -188,10 +188,9 @@ def test_the_ascend_scheduler_keeps_prefill_and_decode_apart(va, engine_kwargs, 
     assert chosen.scheduler_cls == "vllm_ascend.core.scheduler.AscendScheduler"
     assert chosen.chunked_prefill_enabled is False, "no chunked prefill: prefill steps and decode steps apart"
     assert (chosen.max_num_seqs, chosen.max_num_batched_tokens) == (64, 4096)
-    # the profiles' own budget (1024 < max_model_len 4096) is refused at this pin (vLLM-Ascend #2327)
+    # the reference's budget (1024 < max_model_len 4096) is refused at this pin (vLLM-Ascend #2327)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(1024\) is smaller than max_model_len"):
-        scheduler(config.value(config.load(CONFIGS / f"{name}.yaml").cfg,
-                               "actor_rollout_ref.rollout.max_num_batched_tokens"))
+        scheduler(1024)
 
 
 def unfinished_check_group(va, monkeypatch, additional_config) -> list[str]:
