@@ -150,3 +150,21 @@ def test_every_profile_scores_with_the_strict_reward_through_verls_loader(path, 
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "1.0 0.0"
+
+
+@pytest.mark.parametrize("name", ["a3-128-true-weight", "a3-128-random-init"])
+def test_a3_profiles_pass_the_trainer_checks_of_our_verl_series(name):
+    """What verl's trainer checks at init with our series (on-policy skip, shared ref worker, batch divisions,
+    TensorCache limits), run on the verl config the launcher writes for each A3 profile."""
+    cfg = config.load(ROOT / f"recipes/deepseek_r1/configs/{name}.yaml").cfg
+    verl_cfg = config.verl_config(cfg, config.verl_base_for(cfg))
+    on_policy = pytest.importorskip("verl.trainer.ppo.on_policy")
+    colocated = pytest.importorskip("verl.trainer.ppo.colocated_ref")
+    batch_sizes = pytest.importorskip("verl.trainer.ppo.batch_sizes")
+    flow = pytest.importorskip("verl.trainer.ppo.tensor_cache_flow")
+    assert on_policy.skip_old_log_prob(verl_cfg) is True
+    assert colocated.shares_actor_worker(verl_cfg) is True
+    assert batch_sizes.check_config(verl_cfg, use_reference_policy=True) == 8  # train DP = 256 / (TP4 x PP8)
+    assert flow.enabled(verl_cfg)
+    assert flow.limit_problems(verl_cfg, use_critic=False, use_rm=False, use_reference_policy=True,
+                               ref_in_actor=False) == []

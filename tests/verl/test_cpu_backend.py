@@ -112,7 +112,7 @@ def test_fsdp2_loads_rank0_weights_into_cpu_shards():
 def test_resource_pool_counts_cpus_on_a_cpu_cluster():
     ray = pytest.importorskip("ray")
     trainer = require("verl.trainer.ppo.ray_trainer")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)  # never a stale cluster
     try:
         mapping = {trainer.Role.ActorRollout: "pool"}
         manager = trainer.ResourcePoolManager({"pool": [2]}, mapping, device_name="cpu")
