@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -35,12 +36,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def _ray_processes() -> set[int]:
-    found = set()
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+def _ray_processes(since: float = 0.0) -> dict[int, list[str]]:
+    """Live Ray daemons and workers started at or after `since` (zombies hold nothing: their parent reaps them)."""
+    found = {}
+    for p in psutil.process_iter(["pid", "name", "cmdline", "create_time", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE or (p.info["create_time"] or 0) < since:
+            continue
         text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
         if any(d in text for d in RAY_DAEMONS):
-            found.add(p.info["pid"])
+            found[p.info["pid"]] = (p.info["cmdline"] or [])[:3]
     return found
 
 
@@ -51,7 +55,7 @@ def run(tmp_path_factory):
     reward = tmp / "counting_reward.py"
     reward.write_text(COUNTING_REWARD.format(root=str(ROOT), calls=str(calls)))
     port, dash, agent, metrics = (free_port() for _ in range(4))
-    before = _ray_processes()
+    started = time.time()
     cmd = [sys.executable, "-m", "tools.launch.smoke", "--steps", str(STEPS), "--work", str(tmp / "work"),
            "--logs", str(tmp / "logs"), "--run-id", "e2e",
            f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
@@ -60,7 +64,7 @@ def run(tmp_path_factory):
            # the agent and metrics ports of its own, should another Ray run on this machine
            f"launch.ray.extra_start_args=[--dashboard-agent-listen-port={agent},--metrics-export-port={metrics}]"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    return {"proc": proc, "run_dir": tmp / "logs" / "e2e", "calls": calls, "port": port, "before": before}
+    return {"proc": proc, "run_dir": tmp / "logs" / "e2e", "calls": calls, "port": port, "started": started}
 
 
 def _scalars(run_dir: Path) -> dict[int, dict[str, float]]:
@@ -107,6 +111,5 @@ def test_the_reward_function_saw_every_sample(run):
 
 def test_no_process_is_left_behind(run):
     assert not cluster.port_open("127.0.0.1", run["port"]), "the run's Ray head still answers"
-    left = _ray_processes() - run["before"]
-    alive = [psutil.Process(p).cmdline()[:3] for p in left if psutil.pid_exists(p)]
-    assert not alive, f"processes left behind: {alive}"
+    left = _ray_processes(since=run["started"])
+    assert not left, f"processes left behind: {left}"
