@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 
 import torch.multiprocessing as mp
@@ -27,3 +29,24 @@ def run_processes(worker, world: int, *args, start_method: str = "fork") -> dict
         collected = dict(results)
     assert len(collected) == world, f"only ranks {sorted(collected)} reported"
     return collected
+
+
+@contextlib.contextmanager
+def single_rank_model_parallel():
+    """torch.distributed on gloo with this process as the one rank, and Megatron model parallel (1, 1), as in a
+    TP1 worker; an existing process group is reused and left alone."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()

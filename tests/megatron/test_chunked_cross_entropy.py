@@ -7,8 +7,6 @@ the logits. Runs on CPU with a one-rank gloo group and model parallel sizes (1, 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,7 +21,7 @@ except ImportError as exc:  # megatron-core absent, or our fork patch not applie
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from tests.gloo import free_port  # noqa: E402
+from tests.gloo import single_rank_model_parallel  # noqa: E402
 
 SEQ, BATCH, VOCAB = 8, 2, 5000  # 5000 is not a multiple of the 1024-column chunk
 # Tolerances against the plain implementation. The loss differs only by the order of the
@@ -38,16 +36,8 @@ TOL = {
 @pytest.fixture(scope="module")
 def tp1():
     """torch.distributed on gloo with one rank, Megatron model parallel (1, 1)."""
-    created = not torch.distributed.is_initialized()
-    if created:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        torch.distributed.destroy_process_group()
+    with single_rank_model_parallel():
+        yield
 
 
 def _plain(logits, target, label_smoothing):

@@ -15,7 +15,6 @@ import ast
 import functools
 import importlib.util
 import math
-import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.gloo import free_port
+from tests.gloo import single_rank_model_parallel
 
 
 def require(module: str):
@@ -118,16 +117,8 @@ TINY_LIST = [1, 3, 1]
 @pytest.fixture(scope="module")
 def mp1():
     """One-rank gloo and Megatron model parallel (1, 1): verl's config converter reads its sizes."""
-    created = not torch.distributed.is_initialized()
-    if created:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        torch.distributed.destroy_process_group()
+    with single_rank_model_parallel():
+        yield
 
 
 def prefix_sums(layers):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import builtins
 import importlib
-import os
 import pickle
 import re
 import symtable
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gloo import free_port
+from tests.gloo import single_rank_model_parallel
 
 protocol = pytest.importorskip("verl.protocol", reason="verl not installed (nox -s tests installs the stack)")
 DataProto = protocol.DataProto
@@ -100,18 +99,8 @@ def chunking():
 @pytest.fixture(scope="module")
 def tp1():
     """torch.distributed on gloo with one rank and Megatron model parallel (1, 1), as in a TP1 worker."""
-    from megatron.core import parallel_state
-
-    created = not torch.distributed.is_initialized()
-    if created:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        torch.distributed.destroy_process_group()
+    with single_rank_model_parallel():
+        yield
 
 
 def test_chunk_size_defaults_to_megatrons_path_and_the_ref_follows_the_actor(chunking):
