@@ -99,11 +99,11 @@ def test_directed_generator_yields_what_per_tensor_generator_yields(world, tp, p
 
 
 def test_settings_are_checked_naming_the_key():
-    assert weight_sync.ReshardConfig.from_config(None) == weight_sync.ReshardConfig("gather", False)
+    assert weight_sync.ReshardConfig.from_config(None) == weight_sync.ReshardConfig("gather", "gather", False)
     with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.reshard.tp_pp must be one of directed, gather"):
         weight_sync.ReshardConfig.from_config({"tp_pp": "alltoall"})
-    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.reshard.experts is not a reshard setting"):
-        weight_sync.ReshardConfig.from_config({"experts": "directed"})
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.reshard.expert is not a reshard setting"):
+        weight_sync.ReshardConfig.from_config({"expert": "directed"})
     with pytest.raises(ValueError, match=r"reshard.fallback must be true or false"):
         weight_sync.ReshardConfig.from_config({"tp_pp": "directed", "fallback": "yes"})
 
