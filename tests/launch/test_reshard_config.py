@@ -16,7 +16,7 @@ KEY = "actor_rollout_ref.rollout.reshard"
 @pytest.mark.parametrize("name", ["a3-128-true-weight", "a3-128-random-init"])
 def test_a3_profiles_take_the_directed_path(name):
     cfg = config.load(CONFIGS / f"{name}.yaml").cfg
-    assert config.reshard_settings(cfg) == config.Reshard("directed", False)
+    assert config.reshard_settings(cfg) == config.Reshard(tp_pp="directed", experts="directed", fallback=False)
 
 
 def test_verl_default_is_the_gather_path():
@@ -33,7 +33,8 @@ def test_an_absent_block_means_gather():
 @pytest.mark.parametrize("override, field", [
     ("tp_pp=alltoall", "tp_pp"),
     ("fallback=maybe", "fallback"),
-    ("experts=directed", "experts"),  # not a setting (yet): refused, not ignored
+    ("experts=alltoall", "experts"),
+    ("expert=directed", "expert"),  # a misspelt key: refused, not ignored
 ])
 def test_bad_values_are_refused_naming_the_field(override, field):
     with pytest.raises(config.ConfigError, match=rf"{KEY}\.{field}\b"):
@@ -45,5 +46,12 @@ def test_a_virtual_pipeline_needs_gather_or_fallback():
     with pytest.raises(config.ConfigError, match=rf"{KEY}.tp_pp=directed has no plan with a virtual pipeline"):
         config.load(TINY, [f"{KEY}.tp_pp=directed", vpp])
     assert config.reshard_settings(config.load(TINY, [f"{KEY}.tp_pp=directed", f"{KEY}.fallback=true", vpp]).cfg) \
-        == config.Reshard("directed", True)
+        == config.Reshard(tp_pp="directed", fallback=True)
     config.load(TINY, [f"{KEY}.tp_pp=gather", vpp])
+
+
+def test_directed_experts_need_vllm_expert_parallelism():
+    with pytest.raises(config.ConfigError, match=rf"{KEY}.experts=directed .*\.enable_expert_parallel=true"):
+        config.load(TINY, [f"{KEY}.experts=directed"])
+    on = "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel=true"
+    assert config.reshard_settings(config.load(TINY, [f"{KEY}.experts=directed", on]).cfg).experts == "directed"

@@ -136,6 +136,7 @@ class Reshard:
     """actor_rollout_ref.rollout.reshard: the train -> rollout weight-sync path (verl's yaml: gather)."""
 
     tp_pp: str = "gather"  # directed: per layer slot, gather in TP, one all_to_all over PP
+    experts: str = "gather"  # directed: each routed expert only to its rollout owners (one all_to_all per slot)
     fallback: bool = False  # no directed plan for the layout: gather (true) or stop (false)
 
 
@@ -146,8 +147,9 @@ def reshard_settings(cfg: DictConfig) -> Reshard:
     if block is None:
         return Reshard()
     r = Reshard(**block)
-    if r.tp_pp not in RESHARD_MODES:
-        raise ConfigError(f"{RESHARD}.tp_pp must be one of {', '.join(RESHARD_MODES)}, got {r.tp_pp!r}")
+    for key in ("tp_pp", "experts"):
+        if getattr(r, key) not in RESHARD_MODES:
+            raise ConfigError(f"{RESHARD}.{key} must be one of {', '.join(RESHARD_MODES)}, got {getattr(r, key)!r}")
     if not isinstance(r.fallback, bool):
         raise ConfigError(f"{RESHARD}.fallback must be true or false, got {r.fallback!r}")
     vpp = value(cfg, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size")
@@ -155,6 +157,10 @@ def reshard_settings(cfg: DictConfig) -> Reshard:
         raise ConfigError(f"{RESHARD}.tp_pp=directed has no plan with a virtual pipeline"
                           f" (actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size = {vpp}):"
                           f" set {RESHARD}.tp_pp=gather or {RESHARD}.fallback=true")
+    engine_ep = value(cfg, ENGINE_KWARGS + ".enable_expert_parallel")
+    if r.experts == "directed" and engine_ep is not True:
+        raise ConfigError(f"{RESHARD}.experts=directed sends each rollout rank only the experts it serves, which needs"
+                          f" vLLM's expert parallelism: set {ENGINE_KWARGS}.enable_expert_parallel=true")
     return r
 
 
@@ -164,7 +170,7 @@ ASCEND_SCHEDULER = ADDITIONAL_CONFIG + ".ascend_scheduler_config"
 MAX_NUM_SEQS = "actor_rollout_ref.rollout.max_num_seqs"
 # engine_kwargs.vllm keys: verl's own (swap_space) and those the recipe sets. verl 0.4.0 passes each non-null one to
 # vllm.LLM, where a typo would fail only on the cluster.
-ENGINE_KWARGS_KEYS = ("swap_space", "max_num_seqs", "additional_config")
+ENGINE_KWARGS_KEYS = ("swap_space", "max_num_seqs", "enable_expert_parallel", "additional_config")
 # What vLLM-Ascend 0.9.1 reads from additional_config (vllm_ascend/ascend_config.py: AscendConfig.__init__, and
 # "refresh" in init_ascend_config); dp_sync_on_device is our series' (patches README (i)).
 # tests/vllm_ascend/test_recipe_additional_config.py keeps these lists equal to the fork's source.
