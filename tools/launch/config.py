@@ -98,6 +98,12 @@ class Rebalance:
     kv_transfer: str = "ship"  # ship: copy the moved sequences' KV blocks; reprefill: recompute them
 
 
+def _flag(key: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key} must be true or false, got {v!r}")
+    return v
+
+
 def rebalance_settings(cfg: DictConfig) -> Rebalance:
     """The rebalance block, checked: every key known, every value in range. Absent = off. recipe.* is open
     to our forks' settings, so a misspelt key here would otherwise pass unnoticed."""
@@ -108,8 +114,7 @@ def rebalance_settings(cfg: DictConfig) -> Rebalance:
     enable, interval = block.get("enable", r.enable), block.get("check_interval", r.check_interval)
     buckets, cap = block.get("buckets", list(r.buckets)), block.get("kv_usage_cap", r.kv_usage_cap)
     mode = block.get("kv_transfer", r.kv_transfer)
-    if not isinstance(enable, bool):
-        raise ConfigError(f"{REBALANCE}.enable must be true or false, got {enable!r}")
+    _flag(f"{REBALANCE}.enable", enable)
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ConfigError(f"{REBALANCE}.check_interval must be an integer >= 1 (engine steps), got {interval!r}")
     if not isinstance(buckets, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in buckets) \
@@ -150,8 +155,7 @@ def reshard_settings(cfg: DictConfig) -> Reshard:
     for key in ("tp_pp", "experts"):
         if getattr(r, key) not in RESHARD_MODES:
             raise ConfigError(f"{RESHARD}.{key} must be one of {', '.join(RESHARD_MODES)}, got {getattr(r, key)!r}")
-    if not isinstance(r.fallback, bool):
-        raise ConfigError(f"{RESHARD}.fallback must be true or false, got {r.fallback!r}")
+    _flag(f"{RESHARD}.fallback", r.fallback)
     vpp = value(cfg, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size")
     if r.tp_pp == "directed" and not r.fallback and isinstance(vpp, int) and vpp > 1:
         raise ConfigError(f"{RESHARD}.tp_pp=directed has no plan with a virtual pipeline"
@@ -219,12 +223,6 @@ class AscendEngine:
     torchair: TorchairGraph = TorchairGraph()
     ascend_scheduler: bool = False
     dp_sync_on_device: bool = False
-
-
-def _flag(key: str, v) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{key} must be true or false, got {v!r}")
-    return v
 
 
 def torchair_settings(cfg: DictConfig) -> TorchairGraph:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "recipes/deepseek_r1/configs/cpu-tiny.yaml"
+MODEL, DATA = "tiny", "arith"  # folders under --work
 # Easy problems (sums of two numbers up to 20): the strict reward gives a tiny model a reachable target.
 ARITH_ARGS = ("--n", "2000", "--ops", "+", "--max-operand", "20", "--max-terms", "2")
 
@@ -62,7 +63,7 @@ def prepare(work: Path, say=print) -> tuple[Path, Path]:
         if data_main(["synthetic-arith", "--dst", str(dst), *ARITH_ARGS]) != 0:
             raise SystemExit("synthetic-arith failed (its message is above)")
 
-    return complete(work / "tiny", model), complete(work / "arith", data)
+    return complete(work / MODEL, model), complete(work / DATA, data)
 
 
 def launcher_args(args: argparse.Namespace, model: Path, data: Path) -> list[str]:
@@ -83,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tools.launch.cli import main as launch
 
-    if args.dry_run:
-        work = args.work
-        return launch(launcher_args(args, work / "tiny", work / "arith"))
-    model, data = prepare(args.work)
+    model, data = (args.work / MODEL, args.work / DATA) if args.dry_run else prepare(args.work)
     return launch(launcher_args(args, model, data))
 
 
