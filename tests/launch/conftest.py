@@ -23,3 +23,14 @@ def write_manifest(path: Path, layout: dict, finished: bool = True) -> Path:
     (path / "manifest.json").write_text(json.dumps({"header": {"format": "legacy", "layout": layout},
                                                     "files": files}))
     return path
+
+
+def write_dist_manifest(path: Path, finished: bool = True) -> Path:
+    """What `hf-to-mcore` (torch_dist, tools/weights/dist.py) records: no layout, metadata.json among the files."""
+    path.mkdir(parents=True, exist_ok=True)
+    files = {"__0_0.distcp": "0" * 64, ".metadata": "1" * 64, "common.pt": "2" * 64}
+    if finished:
+        files["metadata.json"] = "3" * 64
+    (path / "manifest.json").write_text(json.dumps({"header": {"format": "torch_dist", "config": {},
+                                                               "chunk_bytes": 1 << 28}, "files": files}))
+    return path

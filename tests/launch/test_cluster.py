@@ -101,7 +101,7 @@ def test_head_runs_the_job_end_to_end_and_stops_only_its_own_ray(three_nodes, tm
     said: list[str] = []
     assert run.run_head(prepared, say=said.append) == run.EXIT_OK, "\n".join(said)
     log = (prepared.plan.run_dir / "trainer.log").read_text()
-    assert "trainer saw NPU 2.0" in log
+    assert "trainer saw NPU 4.0" in log  # cpu-tiny: launch.devices_per_node 4
     assert "job dummy-run: SUCCEEDED" in said and "1 of 1 nodes joined" in said
     assert not cluster.port_open("127.0.0.1", port), "the head's Ray is stopped"
     assert len(_alive(c)) == 3 and all(n.remaining_processes_alive() for n in c.list_all_nodes())

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.launch.conftest import CONFIGS, LEGACY_LAYOUT, write_manifest
+from tests.launch.conftest import CONFIGS, LEGACY_LAYOUT, write_dist_manifest, write_manifest
 from tools.launch import config, inputs, layout, memory, preflight
 
 
@@ -29,6 +29,7 @@ def test_a3_profiles_pass(name):
 
 A = "actor_rollout_ref.actor."
 AM = A + "megatron."
+RM = "actor_rollout_ref.ref.megatron."
 R = "actor_rollout_ref.rollout."
 BROKEN = [
     # (overrides, field named in the failure, a fragment of the numbers shown)
@@ -126,6 +127,35 @@ def test_weights_check_wants_a_finished_conversion_of_this_layout(tmp_path):
     assert not bad.ok and "ep is 16, the config needs 8" in bad.fix
     unfinished = inputs.weights_check(write_manifest(tmp_path / "half", LEGACY_LAYOUT, finished=False), lay)
     assert not unfinished.ok and "--resume" in unfinished.fix
+
+
+def test_a_dist_checkpointing_config_takes_a_torch_dist_conversion_of_any_layout(tmp_path):
+    """torch_dist is resharded at load (verl's use_dist_checkpointing): no layout to match, but legacy rank files
+    cannot be read that way, and an unfinished conversion is refused."""
+    lay = _lay()
+    dist = write_dist_manifest(tmp_path / "dist")
+    assert inputs.weights_check(dist, lay, dist=True).ok
+    legacy = inputs.weights_check(write_manifest(tmp_path / "legacy", LEGACY_LAYOUT), lay, dist=True)
+    assert not legacy.ok and "torch_dist" in legacy.fix and "format='legacy'" in legacy.fix
+    assert "--format legacy" not in legacy.fix  # the fix is a torch_dist conversion
+    half = inputs.weights_check(write_dist_manifest(tmp_path / "half", finished=False), lay, dist=True)
+    assert not half.ok and "metadata.json" in half.fix
+    assert not inputs.weights_check(dist, lay).ok, "without use_dist_checkpointing verl needs the legacy layout"
+
+
+def test_cpu_tiny_checks_its_torch_dist_checkpoint_and_that_verl_loads_it(tmp_path):
+    dist = write_dist_manifest(tmp_path / "dist")
+    recipe = config.load(CONFIGS / "cpu-tiny.yaml", [f"recipe.weights.mcore_checkpoint={dist}"])
+    lay = layout.from_config(recipe.cfg)
+    weights = [c for c in inputs.input_checks(recipe.cfg, lay) if c.field.startswith(("recipe.weights", AM, RM))]
+    assert [(c.field, c.ok) for c in weights] == [("recipe.weights.mcore_checkpoint", True)]
+    other = config.load(CONFIGS / "cpu-tiny.yaml", [f"recipe.weights.mcore_checkpoint={dist}",
+                                                    f"{RM}dist_checkpointing_path={tmp_path / 'elsewhere'}"])
+    failed = [c for c in inputs.input_checks(other.cfg, lay) if not c.ok and c.name != "required setting"]
+    assert [c.field for c in failed] == [RM + "dist_checkpointing_path"]
+    random = config.load(CONFIGS / "cpu-tiny.yaml", ["recipe.weights.load=false",
+                                                     "recipe.weights.mcore_checkpoint=null"])
+    assert not [c for c in inputs.input_checks(random.cfg, lay) if c.field.startswith("recipe.weights")]
 
 
 def test_required_paths_are_named_with_how_to_set_them(tmp_path):

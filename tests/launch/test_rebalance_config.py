@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from tests.launch.conftest import CONFIGS
 from tools.launch import config
 
-TINY = CONFIGS / "cpu-tiny.yaml"
+TINY = CONFIGS / "cpu-tiny-fsdp.yaml"  # no rebalance block and 2 HF engines (cpu-tiny has one per rank: DP 1)
 KEY = "recipe.rollout.rebalance"
 SEQS = "actor_rollout_ref.rollout.max_num_seqs=4"
 

@@ -46,12 +46,20 @@ def test_a_virtual_pipeline_needs_gather_or_fallback():
     with pytest.raises(config.ConfigError, match=rf"{KEY}.tp_pp=directed has no plan with a virtual pipeline"):
         config.load(TINY, [f"{KEY}.tp_pp=directed", vpp])
     assert config.reshard_settings(config.load(TINY, [f"{KEY}.tp_pp=directed", f"{KEY}.fallback=true", vpp]).cfg) \
-        == config.Reshard(tp_pp="directed", fallback=True)
+        == config.Reshard(tp_pp="directed", experts="directed", fallback=True)
     config.load(TINY, [f"{KEY}.tp_pp=gather", vpp])
 
 
 def test_directed_experts_need_vllm_expert_parallelism():
+    vllm = "actor_rollout_ref.rollout.name=vllm"
     with pytest.raises(config.ConfigError, match=rf"{KEY}.experts=directed .*\.enable_expert_parallel=true"):
-        config.load(TINY, [f"{KEY}.experts=directed"])
+        config.load(TINY, [f"{KEY}.experts=directed", vllm])
     on = "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel=true"
-    assert config.reshard_settings(config.load(TINY, [f"{KEY}.experts=directed", on]).cfg).experts == "directed"
+    assert config.reshard_settings(config.load(TINY, [f"{KEY}.experts=directed", on, vllm]).cfg).experts == "directed"
+
+
+def test_the_hf_rollout_takes_directed_experts_without_vllm_settings():
+    """cpu-tiny: each HF engine holds every expert, so the directed plan needs no vLLM expert parallelism."""
+    cfg = config.load(TINY).cfg
+    assert config.value(cfg, "actor_rollout_ref.rollout.name") == "hf"
+    assert config.reshard_settings(cfg) == config.Reshard(tp_pp="directed", experts="directed", fallback=False)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.conftest import LEGACY_LAYOUT, write_manifest
+from tests.launch.conftest import LEGACY_LAYOUT, write_dist_manifest, write_manifest
 from tools.launch import cli, config, env, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,18 +16,25 @@ FACTS = env.NodeFacts("10.0.0.1", "eth0", "10.0.0.1", True, "/usr/lib/x86_64-lin
 
 
 @pytest.fixture
-def paths(tmp_path) -> list[str]:
+def paths(tmp_path):
+    """The inputs of a run, for a given config: the checkpoint is the kind its verl loader reads (torch_dist with
+    use_dist_checkpointing, else the legacy rank files of the A3 layout)."""
     (tmp_path / "model").mkdir()
     for name in ("train.parquet", "val.parquet"):
         (tmp_path / name).write_bytes(b"")
-    ckpt = write_manifest(tmp_path / "ckpt", LEGACY_LAYOUT)
-    return [f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"data.train_files={tmp_path / 'train.parquet'}",
-            f"data.val_files={tmp_path / 'val.parquet'}", f"recipe.weights.mcore_checkpoint={ckpt}"]
+    legacy, dist = write_manifest(tmp_path / "ckpt", LEGACY_LAYOUT), write_dist_manifest(tmp_path / "dist_ckpt")
+
+    def for_config(path: Path) -> list[str]:
+        uses_dist = config.value(config.load(path).cfg, "actor_rollout_ref.actor.megatron.use_dist_checkpointing")
+        return [f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"data.train_files={tmp_path / 'train.parquet'}",
+                f"data.val_files={tmp_path / 'val.parquet'}",
+                f"recipe.weights.mcore_checkpoint={dist if uses_dist else legacy}"]
+    return for_config
 
 
 def test_there_are_configs():
     names = {p.name for p in ALL_CONFIGS}
-    assert {"a3-128-true-weight.yaml", "a3-128-random-init.yaml", "cpu-tiny.yaml"} <= names
+    assert {"a3-128-true-weight.yaml", "a3-128-random-init.yaml", "cpu-tiny.yaml", "cpu-tiny-fsdp.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
@@ -40,7 +47,7 @@ def test_config_loads_with_verl_keys_only(path):
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
 def test_config_passes_preflight(path, paths, tmp_path):
-    prepared = run.prepare(config.load(path, paths), FACTS, "test", tmp_path / "logs", device_gb=None
+    prepared = run.prepare(config.load(path, paths(path)), FACTS, "test", tmp_path / "logs", device_gb=None
                            if "cpu" in path.stem else 64.0)
     failed = [c.message() for c in prepared.checks + prepared.inputs if not c.ok]
     assert not failed, "\n".join(failed)
@@ -50,7 +57,7 @@ def test_config_passes_preflight(path, paths, tmp_path):
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
 def test_config_dry_runs(path, paths, tmp_path, capsys):
     rc = cli.main([str(path), "--dry-run", "--master-addr", "127.0.0.1", "--run-id", "t",
-                   "--logs", str(tmp_path / "logs"), *paths])
+                   "--logs", str(tmp_path / "logs"), *paths(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "preflight:" in out and "node 0: head" in out and "verl.trainer.main_ppo" in out
@@ -152,10 +159,11 @@ def test_every_profile_scores_with_the_strict_reward_through_verls_loader(path, 
     assert done.stdout.strip().splitlines()[-1] == "1.0 0.0"
 
 
-@pytest.mark.parametrize("name", ["a3-128-true-weight", "a3-128-random-init"])
-def test_a3_profiles_pass_the_trainer_checks_of_our_verl_series(name):
+# train DP: 256 / (TP4 x PP8) on A3, 4 / (TP2 x PP2) for cpu-tiny
+@pytest.mark.parametrize("name, train_dp", [("a3-128-true-weight", 8), ("a3-128-random-init", 8), ("cpu-tiny", 1)])
+def test_megatron_profiles_pass_the_trainer_checks_of_our_verl_series(name, train_dp):
     """What verl's trainer checks at init with our series (on-policy skip, shared ref worker, batch divisions,
-    TensorCache limits), run on the verl config the launcher writes for each A3 profile."""
+    TensorCache limits), run on the verl config the launcher writes for each Megatron profile."""
     cfg = config.load(ROOT / f"recipes/deepseek_r1/configs/{name}.yaml").cfg
     verl_cfg = config.verl_config(cfg, config.verl_base_for(cfg))
     on_policy = pytest.importorskip("verl.trainer.ppo.on_policy")
@@ -164,7 +172,7 @@ def test_a3_profiles_pass_the_trainer_checks_of_our_verl_series(name):
     flow = pytest.importorskip("verl.trainer.ppo.tensor_cache_flow")
     assert on_policy.skip_old_log_prob(verl_cfg) is True
     assert colocated.shares_actor_worker(verl_cfg) is True
-    assert batch_sizes.check_config(verl_cfg, use_reference_policy=True) == 8  # train DP = 256 / (TP4 x PP8)
+    assert batch_sizes.check_config(verl_cfg, use_reference_policy=True) == train_dp
     assert flow.enabled(verl_cfg)
     assert flow.limit_problems(verl_cfg, use_critic=False, use_rm=False, use_reference_policy=True,
                                ref_in_actor=False) == []

@@ -1,5 +1,7 @@
-"""The recipe end to end on CPU: two GRPO steps of cpu-tiny.yaml through the launcher, as `nox -s smoke` runs them
-(verl's trainer from our fork, FSDP on gloo, HF rollout, a local Ray cluster started and stopped by the launcher)."""
+"""The recipe end to end on CPU: two GRPO steps of cpu-tiny-fsdp.yaml through the launcher, as
+`nox -s smoke -- --profile fsdp` runs them (verl's trainer from our fork, FSDP on gloo, HF rollout, a local Ray
+cluster started and stopped by the launcher). The FSDP profile is named explicitly: smoke's default is cpu-tiny.yaml,
+the Megatron path, whose end-to-end run needs verl's Megatron workers on CPU."""
 
 from __future__ import annotations
 
@@ -56,8 +58,8 @@ def run(tmp_path_factory):
     reward.write_text(COUNTING_REWARD.format(root=str(ROOT), calls=str(calls)))
     port, dash, agent, metrics = (free_port() for _ in range(4))
     started = time.time()
-    cmd = [sys.executable, "-m", "tools.launch.smoke", "--steps", str(STEPS), "--work", str(tmp / "work"),
-           "--logs", str(tmp / "logs"), "--run-id", "e2e",
+    cmd = [sys.executable, "-m", "tools.launch.smoke", "--profile", "fsdp", "--steps", str(STEPS),
+           "--work", str(tmp / "work"), "--logs", str(tmp / "logs"), "--run-id", "e2e",
            f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
            f"actor_rollout_ref.rollout.n={N}", f"custom_reward_function.path={reward}",
            f"launch.ray.port={port}", f"launch.ray.dashboard_port={dash}",

@@ -7,11 +7,13 @@ series adds settings: under the Megatron blocks and under `recipe:`.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
 ROOT = Path(__file__).resolve().parents[2]
 VERL_CONFIG = "verl/trainer/config/ppo_megatron_trainer.yaml"
@@ -62,6 +64,7 @@ def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
             raise ConfigError(f"{path}: {key} is not set; every recipe config has a launch block"
                               " (nodes, devices_per_node, accelerator, env_profile, ray.port, ray.dashboard_port)")
     try:
+        accelerator_settings(cfg)
         rebalance_settings(cfg)
         reshard_settings(cfg)
         vllm_engine_settings(cfg)
@@ -85,6 +88,33 @@ def settings_block(cfg: DictConfig, key: str, fields) -> dict | None:
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]} is not a {key.rsplit('.', 1)[-1]} setting; known: {known}")
     return block
+
+
+# Settings that only the A3 path can run, each with why a CPU cannot: config.load refuses them, naming the key,
+# when launch.accelerator is cpu (cpu-tiny keeps every other A3 key; tests/recipes/test_profile_diff.py).
+CPU_REFUSED = (
+    ("actor_rollout_ref.actor.megatron.mindspeed.enable",
+     "MindSpeed's kernels and patches are built for Ascend NPUs (torch_npu); on CPU Megatron-core runs its torch spec"),
+    ("actor_rollout_ref.actor.megatron.swap_optimizer",
+     "a MindSpeed feature (host <-> NPU swaps of the optimizer state); MindSpeed does not run on CPU"),
+    ("recipe.rollout.torchair_graph", "TorchAir compiles vLLM-Ascend's decode into NPU graphs"),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.torchair_graph_config.enabled",
+     "TorchAir compiles vLLM-Ascend's decode into NPU graphs"),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.torchair_graph_config.enable_kv_nz",
+     "the NZ KV-cache layout is an Ascend format written by vLLM-Ascend's graph decode"),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.dp_sync_on_device",
+     "it moves vLLM's DP syncs onto HCCL, which needs NPUs (CPU ranks sync on gloo)"),
+)
+
+
+def accelerator_settings(cfg: DictConfig) -> None:
+    """Refuse, on launch.accelerator cpu, every A3-only setting of CPU_REFUSED that is on, naming each key."""
+    if value(cfg, "launch.accelerator") != "cpu":
+        return
+    on = [(key, why) for key, why in CPU_REFUSED if value(cfg, key) is True]
+    if on:
+        raise ConfigError("launch.accelerator is cpu, which cannot run " + "; ".join(
+            f"{key}: true ({why})" for key, why in on) + ": set " + ", ".join(f"{key}=false" for key, _ in on))
 
 
 @dataclass(frozen=True)
@@ -162,7 +192,9 @@ def reshard_settings(cfg: DictConfig) -> Reshard:
                           f" (actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size = {vpp}):"
                           f" set {RESHARD}.tp_pp=gather or {RESHARD}.fallback=true")
     engine_ep = value(cfg, ENGINE_KWARGS + ".enable_expert_parallel")
-    if r.experts == "directed" and engine_ep is not True:
+    # the HF rollout (cpu-tiny) holds every expert on every rank: the directed plan sends each rank all of them
+    if r.experts == "directed" and value(cfg, "actor_rollout_ref.rollout.name", "vllm") == "vllm" \
+            and engine_ep is not True:
         raise ConfigError(f"{RESHARD}.experts=directed sends each rollout rank only the experts it serves, which needs"
                           f" vLLM's expert parallelism: set {ENGINE_KWARGS}.enable_expert_parallel=true")
     return r
@@ -371,24 +403,47 @@ def _is_dict_in(base: DictConfig, key: str) -> bool:
 
 
 def missing_keys(cfg: DictConfig) -> list[str]:
-    """Required settings left as `???`."""
-    return sorted(OmegaConf.missing_keys(cfg))
+    """Required settings left as `???` (the keys themselves, not the interpolations that point at them, e.g.
+    cpu-tiny's dist_checkpointing_path: ${recipe.weights.mcore_checkpoint})."""
+    return sorted(k for k in leaf_keys(cfg) if _node(cfg, k)._is_missing())
+
+
+def _node(cfg: DictConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node._get_node(part)
+    return node
 
 
 def value(cfg: DictConfig, key: str, default=None):
-    """A resolved value, `default` when absent or `???`."""
-    if key in OmegaConf.missing_keys(cfg):
+    """A resolved value, `default` when absent, `???` or an interpolation of a `???`."""
+    try:
+        if key in missing_keys(cfg):
+            return default
+        v = OmegaConf.select(cfg, key, default=default)
+        if isinstance(v, DictConfig | ListConfig):
+            return OmegaConf.to_container(v, resolve=True)
+    except (MissingMandatoryValue, InterpolationToMissingValueError):
         return default
-    v = OmegaConf.select(cfg, key, default=default)
-    if isinstance(v, DictConfig | ListConfig):
-        return OmegaConf.to_container(v, resolve=True)
     return v
+
+
+def resolved(cfg: DictConfig) -> dict:
+    """The config as plain data, interpolations resolved; a `???`, or an interpolation of one, stays `???`."""
+    cfg = copy.deepcopy(cfg)
+    for key in leaf_keys(cfg):
+        node = _node(cfg, key)
+        if node._is_interpolation():
+            try:
+                OmegaConf.select(cfg, key)
+            except (MissingMandatoryValue, InterpolationToMissingValueError):
+                OmegaConf.update(cfg, key, "???", merge=False)
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def verl_config(cfg: DictConfig, base: DictConfig) -> DictConfig:
     """What verl's trainer gets: its own defaults, our config over them, resolved; `launch` dropped."""
-    merged = OmegaConf.merge(base, cfg)
-    container = OmegaConf.to_container(merged, resolve=True)
+    container = resolved(OmegaConf.merge(base, cfg))
     container.pop("launch", None)
     reward = container.get("custom_reward_function") or {}
     if reward.get("path") and not Path(reward["path"]).is_absolute():

@@ -1,6 +1,7 @@
 """Checks of what a run reads from disk: the HF model directory, the data files, the converted checkpoint.
 
-`checkpoint_problems` is pure (a manifest dict against the layout); `input_checks` looks at the filesystem.
+`checkpoint_problems` is pure (a manifest dict against the layout, or against the torch_dist format when verl
+loads with use_dist_checkpointing); `input_checks` looks at the filesystem.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ MANIFEST = "manifest.json"
 LATEST = "latest_checkpointed_iteration.txt"  # written last by `tools.weights hf-to-mcore`
 CONVERT = ("python -m tools.weights hf-to-mcore --src <bf16 HF dir> --dst <dir> --format legacy"
            " --tp {tp} --pp {pp} --ep {ep} --num-layer-list {layers}{extend}")
+CONVERT_DIST = "python -m tools.weights hf-to-mcore --src <bf16 HF dir> --dst <dir>"  # torch_dist, no layout
+DIST_METADATA = "metadata.json"  # Megatron's dist_checkpointing backend file (tools/weights/dist.py writes it)
+USE_DIST = "actor_rollout_ref.{}.megatron.use_dist_checkpointing"
+DIST_PATH = "actor_rollout_ref.{}.megatron.dist_checkpointing_path"
 
 HOW_TO_SET = {
     "actor_rollout_ref.model.path": "the HF model directory (config.json + tokenizer)",
@@ -27,15 +32,25 @@ HOW_TO_SET = {
 }
 
 
-def convert_command(lay: Layout) -> str:
+def convert_command(lay: Layout, dist: bool = False) -> str:
+    if dist:
+        return CONVERT_DIST
     layers = ",".join(map(str, lay.layer_list)) if lay.layer_list else "<list>"
     return CONVERT.format(tp=lay.tp, pp=lay.pp, ep=lay.ep, layers=layers,
                           extend=" --moe-tp-extend-ep" if lay.extend_ep else "")
 
 
-def checkpoint_problems(manifest: dict, lay: Layout) -> list[str]:
-    """Why a converted checkpoint does not fit this layout (empty when it does)."""
+def checkpoint_problems(manifest: dict, lay: Layout, dist: bool = False) -> list[str]:
+    """Why a converted checkpoint does not fit this layout (empty when it does). With `dist` (verl loads through
+    Megatron's dist_checkpointing) it must be torch_dist, which has no layout: Megatron reshards it at load."""
     header = manifest.get("header", {})
+    if dist:
+        if header.get("format") != "torch_dist":
+            return [f"{USE_DIST.format('actor')} is true, so verl reads it with Megatron's dist_checkpointing,"
+                    f" which needs an hf-to-mcore torch_dist conversion (manifest format={header.get('format')!r})"]
+        if DIST_METADATA not in manifest.get("files", {}):
+            return [f"conversion incomplete ({DIST_METADATA} not recorded): convert again into an empty --dst"]
+        return []
     got = header.get("layout")
     if header.get("format") != "legacy" or not isinstance(got, dict):
         return [f"manifest header is not an hf-to-mcore legacy conversion (format={header.get('format')!r})"]
@@ -64,19 +79,30 @@ def input_checks(cfg: DictConfig, lay: Layout) -> list[Check]:
         if key not in missing:
             checks.append(_exists(key, value(cfg, key)))
     if value(cfg, "recipe.weights.load", False) and "recipe.weights.mcore_checkpoint" not in missing:
-        checks.append(weights_check(value(cfg, "recipe.weights.mcore_checkpoint"), lay))
+        path = value(cfg, "recipe.weights.mcore_checkpoint")
+        checks.append(weights_check(path, lay, value(cfg, USE_DIST.format("actor"), False) is True))
+        for role in ("actor", "ref"):  # verl reads dist_checkpointing_path: it must be the checkpoint checked here
+            if value(cfg, USE_DIST.format(role), False) is True and value(cfg, DIST_PATH.format(role)) != path:
+                checks.append(Check("verl loads the checked checkpoint", DIST_PATH.format(role),
+                                    str(value(cfg, DIST_PATH.format(role))),
+                                    "dist_checkpointing_path == recipe.weights.mcore_checkpoint", False,
+                                    "leave it as ${recipe.weights.mcore_checkpoint}"))
     return checks
 
 
-def weights_check(path, lay: Layout) -> Check:
-    key, rule = "recipe.weights.mcore_checkpoint", "converted for this layout (manifest.json)"
+def weights_check(path, lay: Layout, dist: bool = False) -> Check:
+    """The converted checkpoint at `path`: for this layout (legacy), or torch_dist with `dist`
+    (use_dist_checkpointing)."""
+    key = "recipe.weights.mcore_checkpoint"
+    rule = "torch_dist conversion (manifest.json)" if dist else "converted for this layout (manifest.json)"
+    how = convert_command(lay, dist)
     if not path:
         return Check("converted checkpoint", key, "null", rule, False,
-                     f"recipe.weights.load is true: convert with `{convert_command(lay)}`")
+                     f"recipe.weights.load is true: convert with `{how}`")
     manifest = Path(str(path)).expanduser() / MANIFEST
     if not manifest.is_file():
         return Check("converted checkpoint", key, str(path), rule, False,
-                     f"no {MANIFEST} there: not converted; run `{convert_command(lay)}`")
-    problems = checkpoint_problems(json.loads(manifest.read_text()), lay)
+                     f"no {MANIFEST} there: not converted; run `{how}`")
+    problems = checkpoint_problems(json.loads(manifest.read_text()), lay, dist)
     return Check("converted checkpoint", key, str(path), rule, not problems,
-                 "; ".join(problems) + (f"; reconvert: `{convert_command(lay)}`" if problems else ""))
+                 "; ".join(problems) + (f"; reconvert: `{how}`" if problems else ""))

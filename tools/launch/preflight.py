@@ -110,8 +110,12 @@ def rollout_checks(lay: Layout, dims: Dims) -> list[Check]:
            "rollout EP == 1 without vLLM", ep == 1),
         _c("rollout experts split by EP", RR + "expert_parallel_size", f"{dims.experts} % {ep}",
            "experts % rollout EP == 0", _div(dims.experts, ep)),
+        # without vLLM each rank takes whole layers (every expert), whatever the train expert group
         _c("expert reshard train -> rollout", RR + "expert_parallel_size", f"{ep} % (EP*TP = {train_group})",
-           "rollout EP % train expert group == 0", _div(ep, train_group)),
+           "rollout EP % train expert group == 0", _div(ep, train_group)) if lay.rollout_name == "vllm" else
+        _c("expert reshard train -> rollout", RR + "expert_parallel_size",
+           f"rollout EP {ep}, train expert group {train_group}", "without vLLM: every rank receives every expert",
+           ep == 1),
         _c("sequence fits the model", "data.max_response_length",
            f"{lay.prompt_len} + {lay.response_len} = {lay.seq_len} vs {max_len}",
            "prompt + response <= max_model_len", lay.seq_len <= max_len),

@@ -1,15 +1,26 @@
 """The recipe end to end on this machine's CPUs: tiny model, synthetic data, a few GRPO steps.
 
-  python -m tools.launch.smoke                 # 3 steps (what `nox -s smoke` runs)
-  python -m tools.launch.smoke --steps 20      # watch the reward
-  python -m tools.launch.smoke --dry-run       # prepare nothing, print the launcher's plan
+  python -m tools.launch.smoke                      # 3 steps of the A3 path at small scale (what `nox -s smoke` runs)
+  python -m tools.launch.smoke --steps 20           # watch the reward
+  python -m tools.launch.smoke --profile fsdp       # the FSDP + HF-rollout profile instead
+  python -m tools.launch.smoke --random-init        # Megatron's own random init: no checkpoint is loaded
+  python -m tools.launch.smoke --dry-run            # prepare nothing, print the launcher's plan
+
+Profiles (--profile):
+  megatron  recipes/deepseek_r1/configs/cpu-tiny.yaml (default): a3-128-true-weight.yaml with only sizes, device
+            and rollout engine changed: Megatron actor and ref (TP2 x PP2 on 4 gloo ranks, uneven stages, the
+            torch_dist checkpoint loaded), TensorCache, directed weight sync into verl's HF rollout.
+  fsdp      recipes/deepseek_r1/configs/cpu-tiny-fsdp.yaml: actor and ref on FSDP (2 ranks), verl's HF rollout;
+            FSDP loads the HF checkpoint itself.
 
 Inputs are made once and reused (under --work, default .cache/smoke): a random-init DeepSeek-V3-architecture
-model with a local tokenizer (`python -m tools.weights make-tiny`) and easy arithmetic problems in the deepscaler
-parquet schema (`python -m tools.data synthetic-arith`). Each is written to a `.partial` folder and renamed when
-complete, so an interrupted preparation is redone, never half-used. Then `python -m tools.launch` runs
-recipes/deepseek_r1/configs/cpu-tiny.yaml with a local Ray cluster it starts and stops, and prints the
-per-step summary. Extra key=value arguments are launcher overrides (e.g. data.train_batch_size=4).
+model with a local tokenizer (`python -m tools.weights make-tiny`), easy arithmetic problems in the deepscaler
+parquet schema (`python -m tools.data synthetic-arith`) and, for the megatron profile, the model converted to
+Megatron's torch_dist format (`python -m tools.weights hf-to-mcore`), passed as recipe.weights.mcore_checkpoint.
+Each is written to a `.partial` folder and renamed when complete, so an interrupted preparation is redone, never
+half-used. Then `python -m tools.launch` runs the profile's config with a local Ray cluster it starts and stops,
+and prints the per-step summary. Extra key=value arguments are launcher overrides (e.g. data.train_batch_size=4);
+they come last, so they win.
 """
 
 from __future__ import annotations
@@ -20,8 +31,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "recipes/deepseek_r1/configs/cpu-tiny.yaml"
-MODEL, DATA = "tiny", "arith"  # folders under --work
+CONFIGS = ROOT / "recipes/deepseek_r1/configs"
+PROFILES = {"megatron": CONFIGS / "cpu-tiny.yaml", "fsdp": CONFIGS / "cpu-tiny-fsdp.yaml"}
+CONFIG = PROFILES["megatron"]
+MODEL, DATA, MCORE = "tiny", "arith", "tiny-mcore"  # folders under --work
 # Easy problems (sums of two numbers up to 20): the strict reward gives a tiny model a reachable target.
 ARITH_ARGS = ("--n", "2000", "--ops", "+", "--max-operand", "20", "--max-terms", "2")
 
@@ -30,10 +43,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.launch.smoke", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="launcher (OmegaConf) overrides")
+    p.add_argument("--profile", choices=tuple(PROFILES), default="megatron",
+                   help="megatron: cpu-tiny.yaml, the A3 path at small scale (default); fsdp: cpu-tiny-fsdp.yaml")
+    p.add_argument("--random-init", action="store_true",
+                   help="megatron profile: no checkpoint, Megatron's random init (recipe.weights.load=false)")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps (trainer.total_training_steps; default 3)")
     p.add_argument("--work", type=Path, default=ROOT / ".cache/smoke", help="where the model and data are made")
     p.add_argument("--logs", type=Path, default=ROOT / "logs", help="where run folders go (default logs/)")
-    p.add_argument("--run-id", help="run name (default cpu-tiny-<UTC time>)")
+    p.add_argument("--run-id", help="run name (default <config name>-<UTC time>, e.g. cpu-tiny-20250101-120000)")
     p.add_argument("--dry-run", action="store_true", help="make nothing, run nothing: the launcher's plan")
     return p
 
@@ -49,8 +66,8 @@ def complete(dst: Path, make) -> Path:
     return dst
 
 
-def prepare(work: Path, say=print) -> tuple[Path, Path]:
-    """The tiny model and the arithmetic data under `work` (made once)."""
+def prepare(work: Path, convert: bool = True, say=print) -> tuple[Path, Path, Path | None]:
+    """The tiny model, the arithmetic data and (with `convert`) its torch_dist conversion under `work`, made once."""
     from tools.data.cli import main as data_main
     from tools.weights.tiny import make_tiny
 
@@ -63,13 +80,33 @@ def prepare(work: Path, say=print) -> tuple[Path, Path]:
         if data_main(["synthetic-arith", "--dst", str(dst), *ARITH_ARGS]) != 0:
             raise SystemExit("synthetic-arith failed (its message is above)")
 
-    return complete(work / MODEL, model), complete(work / DATA, data)
+    tiny = complete(work / MODEL, model)
+
+    def mcore(dst: Path) -> None:
+        from tools.weights.dist import hf_to_torch_dist
+
+        say(f"converting the tiny model to torch_dist in {dst.with_suffix('')}")
+        hf_to_torch_dist(tiny, dst, say=say)
+
+    return tiny, complete(work / DATA, data), complete(work / MCORE, mcore) if convert else None
 
 
-def launcher_args(args: argparse.Namespace, model: Path, data: Path) -> list[str]:
-    out = [str(CONFIG), f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
-           f"data.val_files={data / 'test.parquet'}", f"trainer.total_training_steps={args.steps}",
-           *args.overrides, "--master-addr", "127.0.0.1", "--logs", str(args.logs)]
+def needs_checkpoint(args: argparse.Namespace) -> bool:
+    """The megatron profile loads the torch_dist conversion unless --random-init; FSDP reads model.path itself."""
+    return args.profile == "megatron" and not args.random_init
+
+
+def launcher_args(args: argparse.Namespace, model: Path, data: Path, mcore: Path | None) -> list[str]:
+    """The `python -m tools.launch` arguments: the profile's config, the inputs, then the user's overrides."""
+    if needs_checkpoint(args) and mcore is None:
+        raise ValueError("the megatron profile loads a checkpoint: pass its folder (or use --random-init)")
+    out = [str(PROFILES[args.profile]), f"actor_rollout_ref.model.path={model}",
+           f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+           f"trainer.total_training_steps={args.steps}"]
+    if args.profile == "megatron":
+        out += ([f"recipe.weights.mcore_checkpoint={mcore}"] if needs_checkpoint(args) else
+                ["recipe.weights.load=false", "recipe.weights.mcore_checkpoint=null"])
+    out += [*args.overrides, "--master-addr", "127.0.0.1", "--logs", str(args.logs)]
     if args.run_id:
         out += ["--run-id", args.run_id]
     if args.dry_run:
@@ -82,10 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         print(f"error: --steps is {args.steps}; give 1 or more", file=sys.stderr)
         return 2
+    if args.random_init and args.profile != "megatron":
+        print("error: --random-init applies to --profile megatron (FSDP always loads model.path's weights)",
+              file=sys.stderr)
+        return 2
     from tools.launch.cli import main as launch
 
-    model, data = (args.work / MODEL, args.work / DATA) if args.dry_run else prepare(args.work)
-    return launch(launcher_args(args, model, data))
+    if args.dry_run:
+        model, data, mcore = args.work / MODEL, args.work / DATA, args.work / MCORE
+    else:
+        model, data, mcore = prepare(args.work, convert=needs_checkpoint(args))
+    return launch(launcher_args(args, model, data, mcore if needs_checkpoint(args) else None))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,148 @@
+"""cpu-tiny is the A3 path at small scale: its resolved leaf keys equal a3-128-true-weight's except for the
+differences listed here, each with its reason. Any other difference (a key in one profile only, or a value that
+differs) fails, naming the key: a change to the A3 profile must reach cpu-tiny, or be listed here with why not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.launch import config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "deepseek_r1" / "configs"
+A3, TINY = CONFIGS / "a3-128-true-weight.yaml", CONFIGS / "cpu-tiny.yaml"
+ABSENT = "<absent>"
+
+SIZE = "size: the tiny model, 4 ranks, a few seconds per step"
+DEVICE = "device: CPU ranks on one machine instead of 16 nodes of Atlas A3"
+ENGINE = "rollout engine: verl's HF engine inside the Megatron worker instead of vLLM-Ascend"
+VLLM_ONLY = ENGINE + "; a vLLM / vLLM-Ascend setting the HF engine does not read (verl's default stays)"
+LAYOUT = "layout: TP2 x PP2 x EP1 on 4 ranks (A3: TP4 x PP8 x EP8 on 256), uneven stages as A3's"
+WEIGHTS = ("weights: verl loads the torch_dist conversion (Megatron reshards it at load); the A3 profiles check a"
+           " legacy conversion and keep verl's default here (not wired: verl 0.4.0 cannot load legacy rank files)")
+
+# key -> why cpu-tiny differs from a3-128-true-weight (in value, or by having the key alone, or by lacking it)
+ALLOWED = {
+    # launch and recipe
+    "launch.nodes": DEVICE,
+    "launch.devices_per_node": DEVICE + " (TP2 x PP2)",
+    "launch.accelerator": DEVICE,
+    "launch.env_profile": DEVICE + " (env/cpu.yaml: gloo, no HCCL)",
+    "launch.ray.join_timeout_s": DEVICE + ": one local node joins at once or not at all",
+    "recipe.model_dims": SIZE,
+    "recipe.rollout.data_parallel_size": ENGINE + ": one HF engine per rank, no DP inside an engine",
+    "recipe.rollout.instances": ENGINE + ": 4 engines of one rank cover the world",
+    "recipe.rollout.expert_parallel_size": ENGINE + ": each HF engine holds every expert",
+    "recipe.rollout.torchair_graph": DEVICE + ": TorchAir graphs are NPU only (refused on cpu)",
+    # data and batch
+    "data.max_prompt_length": SIZE,
+    "data.max_response_length": SIZE,
+    "data.train_batch_size": SIZE,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": SIZE + " (= train_batch_size, as A3)",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": SIZE + ": 8 micro-batches of 4 through 2 stages",
+    "actor_rollout_ref.actor.optim.lr": SIZE + ": a 4-layer random model needs a larger step to move in 20 steps",
+    "actor_rollout_ref.rollout.n": SIZE,
+    "trainer.total_training_steps": SIZE + ": the smoke run's 3 steps (A3 runs until stopped)",
+    "trainer.experiment_name": "name: the profile's own",
+    # layout
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": LAYOUT,
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": LAYOUT,
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size": LAYOUT,
+    "actor_rollout_ref.actor.megatron.num_layer_list": LAYOUT,
+    "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers":
+        LAYOUT + ": block recompute of the largest stage (3 layers; A3: 8)",
+    "actor_rollout_ref.actor.megatron.logits_chunk_size": SIZE + ": chunks of a 160-column vocabulary shard",
+    "actor_rollout_ref.ref.megatron.tensor_model_parallel_size": LAYOUT + " (the actor's, by interpolation)",
+    "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size": LAYOUT + " (the actor's, by interpolation)",
+    "actor_rollout_ref.ref.megatron.expert_model_parallel_size": LAYOUT + " (the actor's, by interpolation)",
+    "actor_rollout_ref.ref.megatron.num_layer_list": LAYOUT + " (the actor's, by interpolation)",
+    # device: what only an NPU runs (each refused with launch.accelerator cpu)
+    "actor_rollout_ref.actor.megatron.mindspeed.enable": DEVICE + ": MindSpeed kernels need torch_npu;"
+                                                         " Megatron-core's torch layer spec on CPU",
+    "actor_rollout_ref.actor.megatron.swap_optimizer": DEVICE + ": a MindSpeed feature, off with MindSpeed",
+    "trainer.device": DEVICE,
+    "trainer.nnodes": DEVICE + " (${launch.nodes})",
+    "trainer.n_gpus_per_node": DEVICE + " (${launch.devices_per_node})",
+    # weights
+    "actor_rollout_ref.actor.megatron.use_dist_checkpointing": WEIGHTS,
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_path": WEIGHTS,
+    "actor_rollout_ref.ref.megatron.use_dist_checkpointing": WEIGHTS,
+    "actor_rollout_ref.ref.megatron.dist_checkpointing_path": WEIGHTS,
+    # rollout engine
+    "actor_rollout_ref.rollout.name": ENGINE,
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": ENGINE + ": one unsharded HF engine per rank",
+    "actor_rollout_ref.rollout.data_parallel_size": ENGINE + " (${recipe.rollout.data_parallel_size})",
+    "actor_rollout_ref.rollout.temperature": ENGINE + ": plain sampling with HF's generate for a random tiny model",
+    "actor_rollout_ref.rollout.top_k": ENGINE + ": 0 is off for the HF engine",
+    "actor_rollout_ref.rollout.top_p": ENGINE + ": off, with top_k",
+    "actor_rollout_ref.rollout.val_kwargs.top_k": ENGINE + ": 0 is off for the HF engine (verl's -1 is vLLM's)",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": VLLM_ONLY,
+    "actor_rollout_ref.rollout.enforce_eager": VLLM_ONLY,
+    "actor_rollout_ref.rollout.free_cache_engine": VLLM_ONLY,
+    "actor_rollout_ref.rollout.max_num_batched_tokens": VLLM_ONLY,
+    "actor_rollout_ref.rollout.enable_chunked_prefill": VLLM_ONLY,
+    "actor_rollout_ref.rollout.max_num_seqs": VLLM_ONLY,
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs": VLLM_ONLY,
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel": VLLM_ONLY,
+    **{f"actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.{k}": VLLM_ONLY + " (vLLM-Ascend)" for k in (
+        "ascend_scheduler_config.enabled", "dp_sync_on_device", "refresh", "torchair_graph_config.enabled",
+        "torchair_graph_config.enable_kv_nz", "torchair_graph_config.enable_multistream_mla",
+        "torchair_graph_config.enable_multistream_moe", "torchair_graph_config.enable_view_optimize",
+        "torchair_graph_config.graph_batch_sizes")},
+}
+
+
+def leaves(node, prefix: str = "") -> dict:
+    """Dotted key -> value of every leaf of a resolved config (lists and empty mappings are leaves)."""
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resolved_leaves(path: Path, overrides: tuple[str, ...] = ()) -> dict:
+    return leaves(config.resolved(config.load(path, list(overrides)).cfg))
+
+
+def differences(a3: dict, tiny: dict) -> dict[str, tuple]:
+    """Key -> (A3 value, cpu-tiny value), ABSENT where a profile lacks the key."""
+    return {k: (a3.get(k, ABSENT), tiny.get(k, ABSENT)) for k in sorted(a3.keys() | tiny.keys())
+            if a3.get(k, ABSENT) != tiny.get(k, ABSENT)}
+
+
+def unlisted(diff: dict[str, tuple]) -> list[str]:
+    out = []
+    for key, (a3, tiny) in diff.items():
+        if key in ALLOWED:
+            continue
+        what = ("in a3-128-true-weight only" if tiny == ABSENT else "in cpu-tiny only" if a3 == ABSENT
+                else "differs")
+        out.append(f"{key}: {what} (a3-128-true-weight {a3!r}, cpu-tiny {tiny!r})")
+    return out
+
+
+def test_cpu_tiny_differs_from_a3_only_where_listed():
+    problems = unlisted(differences(resolved_leaves(A3), resolved_leaves(TINY)))
+    assert not problems, ("cpu-tiny.yaml is the A3 path at small scale; set these as a3-128-true-weight.yaml does,"
+                          " or list them in ALLOWED with the reason:\n" + "\n".join(problems))
+
+
+def test_every_listed_difference_is_one():
+    """A stale entry would let a later difference pass unexplained."""
+    diff = differences(resolved_leaves(A3), resolved_leaves(TINY))
+    assert sorted(set(ALLOWED) - set(diff)) == []
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor_rollout_ref.tensor_cache.enable=false", "actor_rollout_ref.tensor_cache.enable"),
+    ("actor_rollout_ref.rollout.reshard.experts=gather", "actor_rollout_ref.rollout.reshard.experts"),
+    ("actor_rollout_ref.actor.megatron.sequence_parallel=false", "actor_rollout_ref.actor.megatron.sequence_parallel"),
+    ("actor_rollout_ref.actor.megatron.seed=7", "actor_rollout_ref.actor.megatron.seed"),  # a key A3 does not set
+])
+def test_an_unlisted_difference_fails_naming_the_key(override, key):
+    problems = unlisted(differences(resolved_leaves(A3), resolved_leaves(TINY, (override,))))
+    assert [p.split(":")[0] for p in problems] == [key]
