@@ -77,6 +77,8 @@ ALLOWED = {
     "actor_rollout_ref.rollout.top_k": ENGINE + ": 0 is off for the HF engine",
     "actor_rollout_ref.rollout.top_p": ENGINE + ": off, with top_k",
     "actor_rollout_ref.rollout.val_kwargs.top_k": ENGINE + ": 0 is off for the HF engine (verl's -1 is vLLM's)",
+    "actor_rollout_ref.rollout.verify_weight_sync": "check: a second full weight export per step, affordable only at"
+                                                    " tiny scale (read by the HF engine's sharding manager)",
     "actor_rollout_ref.rollout.gpu_memory_utilization": VLLM_ONLY,
     "actor_rollout_ref.rollout.enforce_eager": VLLM_ONLY,
     "actor_rollout_ref.rollout.free_cache_engine": VLLM_ONLY,

@@ -174,6 +174,9 @@ LAYOUTS = [
     pytest.param(8, 2, 2, 2, [2, 3], 1, 8, 2, 2, "directed", id="tp2-ep2-pp2-edp2-to-2x-dp2tp2"),
     # rollout EP 4 over train EP 2 per stage: each train rank's experts go to two rollout ranks
     pytest.param(4, 1, 2, 2, [2, 2], 0, 16, 1, 4, "gather", id="tp1-ep2-pp2-to-dp1tp4"),
+    # the CPU smoke's layout: experts over the 2 ranks of a stage -> 4 engines of one rank each (EP1), every
+    # rollout rank serves every expert, half of them from the other stage rank
+    pytest.param(4, 2, 2, 2, [1, 3], 1, 8, 1, 1, "directed", id="tp2-ep2-pp2-to-4x-dp1tp1"),
 ]
 
 
@@ -188,7 +191,8 @@ def test_each_rank_gets_the_gather_paths_experts_it_serves(world, tp, pp, ep, la
         assert len(r["got_names"]) == len(set(r["got_names"])), f"rank {rank}: a name is yielded twice"
         assert sorted(r["got_names"]) == r["want_names"], f"rank {rank}: yields other tensors than its share"
         assert r["got_experts"] == r["owned"]
-        assert len(r["want_names"]) < r["all_gather_names"]
+        # a rank of a one-rank engine (rollout EP1) serves every expert
+        assert len(r["want_names"]) < r["all_gather_names"] or rollout_dp * rollout_tp == 1
         assert r["received"] == r["planned"], f"rank {rank}: received {r['received']}, planned {r['planned']}"
         assert r["calls"] == r["slots"], f"rank {rank}: one all_to_all_single per MoE layer slot"
     moved = sum(r["planned"] for r in results.values())
@@ -210,10 +214,10 @@ def test_experts_setting_is_checked_naming_the_key():
 
 def test_a_layout_without_a_directed_expert_plan_is_refused_or_falls_back():
     directed = weight_sync.ReshardConfig.from_config({"experts": "directed"})
-    # rollout EP 2 (DP1 TP2, two instances) is not divisible by the train EP 4
-    small = _layout(dp=1, tp=2)
+    # rollout EP 6 (DP3 TP2, two instances) against the train EP 4: neither divides the other
+    small = _layout(world=12, dp=3, tp=2, num_experts=24)
     with pytest.raises(weight_sync.ReshardLayoutError,
-                       match=r"rollout EP 2 not divisible by the train ETP group 4.*reshard.experts=gather"):
+                       match=r"rollout EP 6 and the train ETP group 4: neither divides the other.*reshard.experts=gather"):
         directed.resolve(2, 1, 1, small)
     with pytest.raises(weight_sync.ReshardLayoutError,
                        match=r"train PP1 EP4 ETP2 VPP1 .*expert tensor parallel 1.*reshard.experts=gather"):

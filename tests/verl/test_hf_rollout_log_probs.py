@@ -1,0 +1,111 @@
+"""rollout.calculate_log_probs in verl's HFRollout (verl series, workers/rollout/hf_sampling.py + the hook in
+hf_rollout.py): rollout_log_probs are the log-probs of the sampled tokens under the distribution that
+sampled them, equal to a teacher-forced forward's (fp32), with temperature and top-k too; -1 after the
+end as verl's vLLM rollout pads them; absent unless asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.verl.conftest import require
+
+hf_rollout = require("verl.workers.rollout.hf_rollout")
+hf_sampling = require("verl.workers.rollout.hf_sampling")
+transformers = require("transformers")
+from verl import DataProto  # noqa: E402
+from verl.utils.model import compute_position_id_with_mask  # noqa: E402
+
+EOS = list(range(1, 33))  # a tenth of the vocabulary: most responses end early, so the padding is exercised
+PAD = 0
+RESPONSE = 10
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tools.weights.tiny import make_tiny
+
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny(path, tokenizer=False)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
+
+
+def _config(**kw):
+    base = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, n=1, response_length=RESPONSE, dtype="float32",
+                calculate_log_probs=True, micro_batch_size=4,
+                val_kwargs=dict(top_k=0, top_p=1.0, temperature=0, n=1, do_sample=False))
+    base.update(kw)
+    return OmegaConf.create(base)
+
+
+def _prompts(batch=4, length=6):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(40, 320, (batch, length), generator=gen)
+    mask = torch.ones(batch, length, dtype=torch.int64)
+    for i in range(batch):  # left padding of 0..batch-1 tokens
+        mask[i, :i] = 0
+        ids[i, :i] = PAD
+    data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_id_with_mask(mask)})
+    data.meta_info.update(eos_token_id=EOS, pad_token_id=PAD)
+    return data
+
+
+def _teacher_forced(model, out, temperature, top_k):
+    """The sampling distribution's log-probs of the responses, from one forward over prompt + response."""
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
+    logits = logits[:, -RESPONSE - 1:-1].float() / temperature
+    if top_k:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature, top_k, n", [(1.0, 0, 1), (0.7, 20, 2)])
+def test_rollout_log_probs_equal_a_teacher_forced_forward(model, temperature, top_k, n):
+    torch.manual_seed(0)
+    rollout = hf_rollout.HFRollout(model, _config(temperature=temperature, top_k=top_k, n=n))
+    out = rollout.generate_sequences(_prompts()).batch
+    got = out["rollout_log_probs"]
+    assert got.dtype == torch.float32 and got.shape == (4 * n, RESPONSE)
+    valid = out["attention_mask"][:, -RESPONSE:].bool()
+    assert (~valid).any() and valid.sum(1).min() >= 1  # some responses ended early: the padding is exercised
+    assert torch.all(got[~valid] == -1)
+    want = _teacher_forced(model, out, temperature, top_k)
+    assert torch.isfinite(got[valid]).all()
+    torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=2e-5)
+
+
+def test_greedy_validation_log_probs_are_the_plain_softmax(model):
+    rollout = hf_rollout.HFRollout(model, _config())
+    prompts = _prompts()
+    prompts.meta_info.update(validate=True, do_sample=False)  # what verl's trainer sends for validation
+    out = rollout.generate_sequences(prompts).batch
+    valid = out["attention_mask"][:, -RESPONSE:].bool()
+    torch.testing.assert_close(out["rollout_log_probs"][valid], _teacher_forced(model, out, 1.0, 0)[valid], rtol=0, atol=2e-5)
+
+
+def test_off_by_default():
+    from pathlib import Path
+
+    config_dir = Path(hf_sampling.__file__).parents[2] / "trainer/config"
+    for name in ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml"):
+        rollout = OmegaConf.load(config_dir / name).actor_rollout_ref.rollout
+        assert rollout.calculate_log_probs is False and hf_sampling.autocast_enabled(rollout), name
+    assert not hf_sampling.calculate_log_probs(OmegaConf.create({}))
+    assert hf_sampling.autocast_enabled(OmegaConf.create({})) and hf_sampling.autocast_enabled(OmegaConf.create({"dtype": "bfloat16"}))
+    assert not hf_sampling.autocast_enabled(OmegaConf.create({"dtype": "float32"}))
+
+
+def test_no_rollout_log_probs_unless_asked(model):
+    out = hf_rollout.HFRollout(model, _config(calculate_log_probs=False)).generate_sequences(_prompts())
+    assert "rollout_log_probs" not in out.batch.keys()
+
+
+def test_padding_follows_the_eos_and_the_steps_run():
+    scores = [torch.log_softmax(torch.randn(2, 5), -1) for _ in range(3)]  # generate ran 3 of 5 steps
+    response = torch.tensor([[2, 1, 0, 0, 0], [3, 4, 2, 0, 0]])  # EOS 1 at step 1 (kept), pad 0 after
+    got = hf_sampling.sampled_log_probs(scores, response, eos_token_id=1)
+    assert torch.equal(got[0, 2:], torch.full((3,), -1.0)) and torch.equal(got[1, 3:], torch.full((2,), -1.0))
+    assert got[0, 1] == torch.log_softmax(scores[1], -1)[0, 1] and got[1, 2] == torch.log_softmax(scores[2], -1)[1, 2]
