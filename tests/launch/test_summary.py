@@ -46,6 +46,15 @@ def test_table_carries_the_a3_metric_lines(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())[0]["step"] == 1
 
 
+def test_the_log_prob_drift_and_sync_check_get_columns_where_logged():
+    drift = {**VERL_STEP, "training/rollout_logprob_diff_max": 0.4, "training/rollout_logprob_diff_mean": 0.06,
+             "rollout/weight_sync_mismatches": 0.0}
+    with_drift, without = summary.table([summary.Step(1, drift), summary.Step(2, VERL_STEP)], samples=8, cards=2,
+                                        dies_per_card=1)
+    assert (with_drift["logprob diff max"], with_drift["logprob diff mean"], with_drift["sync mismatches"]) == (0.4, 0.06, 0)
+    assert "logprob diff max" not in without  # the FSDP path logs no drift: no column of NaNs
+
+
 def test_a_step_without_timings_still_gets_a_row():
     (row,) = summary.table([summary.Step(3, {"critic/score/mean": 1.0})], samples=8, cards=2, dies_per_card=2)
     assert row["reward mean"] == 1.0 and "system TPS per card" not in row and math.isnan(row["step time (s)"])

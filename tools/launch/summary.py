@@ -50,6 +50,13 @@ def throughput(step: Step, samples: int, cards: int, dies_per_card: int) -> list
     return metrics.report(stats, cards, dies_per_card)
 
 
+# Columns of metrics that only some paths log (verl series): the rollout-versus-update log-prob drift and the weight
+# sync's checksum, when the rollout returns its log-probs and the sync is verified.
+OPTIONAL_COLUMNS = (("logprob diff max", "training/rollout_logprob_diff_max"),
+                    ("logprob diff mean", "training/rollout_logprob_diff_mean"),
+                    ("sync mismatches", "rollout/weight_sync_mismatches"))
+
+
 def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> list[dict[str, float]]:
     """One row per step: reward, response length, step time, TPS per card and per die, phase times."""
     rows = []
@@ -58,6 +65,7 @@ def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> li
                "response length": s.values.get("response_length/mean", math.nan),
                "step time (s)": s.values.get("timing_s/step", math.nan)}
         row.update(throughput(s, samples, cards, dies_per_card))
+        row.update({name: s.values[tag] for name, tag in OPTIONAL_COLUMNS if tag in s.values})
         rows.append(row)
     return rows
 
