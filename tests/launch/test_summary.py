@@ -51,7 +51,8 @@ def test_the_log_prob_drift_and_sync_check_get_columns_where_logged():
              "rollout/weight_sync_mismatches": 0.0}
     with_drift, without = summary.table([summary.Step(1, drift), summary.Step(2, VERL_STEP)], samples=8, cards=2,
                                         dies_per_card=1)
-    assert (with_drift["logprob diff max"], with_drift["logprob diff mean"], with_drift["sync mismatches"]) == (0.4, 0.06, 0)
+    got = (with_drift["logprob diff max"], with_drift["logprob diff mean"], with_drift["sync mismatches"])
+    assert got == (0.4, 0.06, 0)
     assert "logprob diff max" not in without  # the FSDP path logs no drift: no column of NaNs
 
 

@@ -31,14 +31,24 @@ def _init_gloo(rank: int, port: int, world: int) -> None:
 def _tiny_config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kw = dict(num_layers=1, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
-              add_bias_linear=False, normalization="RMSNorm", params_dtype=torch.float32,
-              gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    kw = dict(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        params_dtype=torch.float32,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=False,
+    )
     kw.update(overrides)
     return TransformerConfig(**kw)
 
 
 # --- guarded CPU changes ---------------------------------------------------------------------------
+
 
 def test_rotary_embeddings_and_router_stay_on_the_host_without_cuda():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -51,8 +61,9 @@ def test_rotary_embeddings_and_router_stay_on_the_host_without_cuda():
     assert emb.device.type == "cpu" and emb.shape == (12, 1, 1, 8)
     freqs = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
     torch.testing.assert_close(emb[:, 0, 0, :4], torch.outer(torch.arange(12.0), freqs))
-    yarn = YarnRotaryEmbedding(kv_channels=8, rotary_percent=1.0, scaling_factor=40.0,
-                               original_max_position_embeddings=64)
+    yarn = YarnRotaryEmbedding(
+        kv_channels=8, rotary_percent=1.0, scaling_factor=40.0, original_max_position_embeddings=64
+    )
     y_emb, _ = yarn(12)
     assert y_emb.device.type == "cpu" and y_emb.shape == (12, 1, 1, 8)
     with single_rank_model_parallel():
@@ -67,12 +78,17 @@ def _moe_layer(overlap: bool):
     from megatron.core.models.gpt.torch_native_layer_specs import get_torch_native_mlp_module_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    config = _tiny_config(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8,
-                          moe_shared_expert_intermediate_size=8, moe_grouped_gemm=True,
-                          moe_token_dispatcher_type="alltoall", moe_shared_expert_overlap=overlap,
-                          moe_router_load_balancing_type="none")
-    return build_module(get_torch_native_mlp_module_spec(4, moe_grouped_gemm=True), config=config,
-                        layer_number=1)
+    config = _tiny_config(
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        moe_shared_expert_intermediate_size=8,
+        moe_grouped_gemm=True,
+        moe_token_dispatcher_type="alltoall",
+        moe_shared_expert_overlap=overlap,
+        moe_router_load_balancing_type="none",
+    )
+    return build_module(get_torch_native_mlp_module_spec(4, moe_grouped_gemm=True), config=config, layer_number=1)
 
 
 def test_alltoall_dispatcher_and_shared_expert_overlap_run_without_cuda_streams():
@@ -111,14 +127,20 @@ def _norm_sp_worker(rank, port, world, results):
     init = torch.nn.init.zeros_
     chunk = torch.nn.Module()
     chunk.norm = TorchNorm(config, 16, eps=1e-6)
-    chunk.fc1 = TorchLayerNormColumnParallelLinear(16, 32, config=config, init_method=init, gather_output=False,
-                                                   bias=False, skip_bias_add=False, is_expert=False)
-    chunk.fc2 = RowParallelLinear(32, 16, config=config, init_method=init, bias=False, input_is_parallel=True,
-                                  skip_bias_add=False)
+    chunk.fc1 = TorchLayerNormColumnParallelLinear(
+        16, 32, config=config, init_method=init, gather_output=False, bias=False, skip_bias_add=False, is_expert=False
+    )
+    chunk.fc2 = RowParallelLinear(
+        32, 16, config=config, init_method=init, bias=False, input_is_parallel=True, skip_bias_add=False
+    )
     chunk.ddp_config = DistributedDataParallelConfig()
     g = torch.Generator().manual_seed(0)
-    full = {"norm": torch.rand(16, generator=g) + 0.5, "ln": torch.rand(16, generator=g) + 0.5,
-            "fc1": torch.randn(32, 16, generator=g) / 4, "fc2": torch.randn(16, 32, generator=g) / 4}
+    full = {
+        "norm": torch.rand(16, generator=g) + 0.5,
+        "ln": torch.rand(16, generator=g) + 0.5,
+        "fc1": torch.randn(32, 16, generator=g) / 4,
+        "fc2": torch.randn(16, 32, generator=g) / 4,
+    }
     x = torch.randn(8, 2, 16, generator=g)
     with torch.no_grad():
         chunk.norm.weight.copy_(full["norm"])
@@ -138,8 +160,7 @@ def _norm_sp_worker(rank, port, world, results):
     h = F.silu(rms(rms(x, ref["norm"]), ref["ln"]) @ ref["fc1"].T)
     (h @ ref["fc2"].T).square().sum().backward()
     results[rank] = {
-        "marked": [getattr(p, "sequence_parallel", False) for p in
-                   (chunk.norm.weight, chunk.fc1.layer_norm_weight)],
+        "marked": [getattr(p, "sequence_parallel", False) for p in (chunk.norm.weight, chunk.fc1.layer_norm_weight)],
         "y": (y - (h @ ref["fc2"].T).chunk(world)[rank]).abs().max().item(),
         "before": max((before[k] - ref[k].grad).abs().max().item() for k in before),
         "norm": (chunk.norm.weight.grad - ref["norm"].grad).abs().max().item(),
@@ -163,6 +184,7 @@ def test_norms_with_sequence_parallel_are_marked_and_their_grads_all_reduced():
 
 # --- torch-native modules against plain computations ---------------------------------------------
 
+
 def _reference_attention(q, k, v, scale, causal=True):
     """q: [s, n, d], k: [s, n, d], v: [s, n, dv] -> [s, n * dv], written out by hand."""
     scores = torch.einsum("snd,tnd->nst", q, k) * scale
@@ -181,8 +203,9 @@ def test_sdpa_attention_takes_mla_channels_and_packed_sequences():
     with single_rank_model_parallel():
         config = _tiny_config(hidden_size=32, num_attention_heads=4)
         scale = 0.3
-        attn = TorchDotProductAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=scale,
-                                        k_channels=12, v_channels=8)  # MLA: value head != key head
+        attn = TorchDotProductAttention(
+            config, 1, AttnMaskType.causal, "self", softmax_scale=scale, k_channels=12, v_channels=8
+        )  # MLA: value head != key head
         g = torch.Generator().manual_seed(0)
         # sbhd, batch 2: against the hand-written computation
         q, k = torch.randn(2, 7, 2, 4, 12, generator=g)
@@ -199,22 +222,35 @@ def test_sdpa_attention_takes_mla_channels_and_packed_sequences():
         v = torch.randn(t, 4, 8, generator=g, requires_grad=True)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         cu_pad = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
-                                 max_seqlen_q=6, max_seqlen_kv=6)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu_pad,
+            cu_seqlens_kv_padded=cu_pad,
+            max_seqlen_q=6,
+            max_seqlen_kv=6,
+        )
         packed = attn(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
         assert packed.shape == (t, 32)
-        four_d = attn(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), None,
-                      attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+        four_d = attn(
+            q.unsqueeze(1),
+            k.unsqueeze(1),
+            v.unsqueeze(1),
+            None,
+            attn_mask_type=AttnMaskType.causal,
+            packed_seq_params=params,
+        )
         torch.testing.assert_close(four_d, packed)
         alone = []
-        for start, n, p in zip(cu_pad[:-1].tolist(), lens, padded):
+        for start, n, p in zip(cu_pad[:-1].tolist(), lens, padded, strict=True):
             s = slice(start, start + n)
-            one = attn(q[s].unsqueeze(1), k[s].unsqueeze(1), v[s].unsqueeze(1), None,
-                       attn_mask_type=AttnMaskType.causal)[:, 0]
+            one = attn(
+                q[s].unsqueeze(1), k[s].unsqueeze(1), v[s].unsqueeze(1), None, attn_mask_type=AttnMaskType.causal
+            )[:, 0]
             torch.testing.assert_close(packed[s], one)  # same as the sequence run alone
             torch.testing.assert_close(one, _reference_attention(q[s], k[s], v[s], scale))
-            assert torch.all(packed[start + n: start + p] == 0)  # padding attends to nothing
+            assert torch.all(packed[start + n : start + p] == 0)  # padding attends to nothing
             alone.append(one)
         # gradients too: nothing leaks between sequences
         packed.square().sum().backward()
@@ -222,7 +258,7 @@ def test_sdpa_attention_takes_mla_channels_and_packed_sequences():
         for x in (q, k, v):
             x.grad = None
         sum(o.square().sum() for o in alone).backward()
-        for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
             torch.testing.assert_close(got, want)
 
 
@@ -237,8 +273,9 @@ def test_grouped_linear_equals_a_per_expert_loop(kind):
     with single_rank_model_parallel():
         torch.manual_seed(0)
         config = _tiny_config()
-        layer = cls(4, 6, 10, config=config, init_method=torch.nn.init.normal_, bias=False,
-                    skip_bias_add=True, is_expert=True)
+        layer = cls(
+            4, 6, 10, config=config, init_method=torch.nn.init.normal_, bias=False, skip_bias_add=True, is_expert=True
+        )
         assert [n for n, _ in layer.named_parameters()] == [f"weight{i}" for i in range(4)]
         splits = [3, 0, 5, 2]  # an expert without tokens too
         x = torch.randn(sum(splits), 6, requires_grad=True)
@@ -247,8 +284,8 @@ def test_grouped_linear_equals_a_per_expert_loop(kind):
         weights = [getattr(layer, f"weight{i}").detach().clone().requires_grad_() for i in range(4)]
         xr = x.detach().clone().requires_grad_()
         rows, ref = 0, []
-        for w, m in zip(weights, splits):
-            ref.append(xr[rows:rows + m] @ w.T)
+        for w, m in zip(weights, splits, strict=True):
+            ref.append(xr[rows : rows + m] @ w.T)
             rows += m
         ref = torch.cat(ref)
         torch.testing.assert_close(out, ref)
@@ -261,6 +298,7 @@ def test_grouped_linear_equals_a_per_expert_loop(kind):
 
 
 # --- the whole model: verl's DeepSeek-V3 -----------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Path:
@@ -290,18 +328,35 @@ def build_model(hf_dir: Path, dtype: torch.dtype):
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     config = hf_to_mcore_config_dpskv3(
-        hf_config, dtype, use_cpu_initialization=True, bias_activation_fusion=False,
-        bias_dropout_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        moe_router_load_balancing_type="none")  # what verl's freeze_moe_router default sets
+        hf_config,
+        dtype,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        moe_router_load_balancing_type="none",
+    )  # what verl's freeze_moe_router default sets
     spec = get_gpt_decoder_block_spec_torch_native(config)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
-                     max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
     return model, hf_config
 
 
-COLUMN = ("linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
-          "linear_kv_up_proj.weight", "output_layer.weight", "word_embeddings.weight")
+COLUMN = (
+    "linear_q_down_proj.weight",
+    "linear_q_up_proj.weight",
+    "linear_kv_down_proj.weight",
+    "linear_kv_up_proj.weight",
+    "output_layer.weight",
+    "word_embeddings.weight",
+)
 ROW = ("linear_proj.weight", "mlp.linear_fc2.weight", "shared_experts.linear_fc2.weight")
 GATED = ("mlp.linear_fc1.weight", "shared_experts.linear_fc1.weight")
 
@@ -335,9 +390,8 @@ def _sharded_keys(sharded_sd) -> set[str]:
 
 def _model_worker(rank, port, world, tp, ep, hf_dir, ckpt, ref_file, results):
     _init_gloo(rank, port, world)
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
@@ -346,8 +400,9 @@ def _model_worker(rank, port, world, tp, ep, hf_dir, ckpt, ref_file, results):
 
     from tools.weights.io import ShardedReader
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=1)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+    )
     tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     out = {}
     hf = ShardedReader(Path(hf_dir))
@@ -369,8 +424,7 @@ def _model_worker(rank, port, world, tp, ep, hf_dir, ckpt, ref_file, results):
             bad, converted_names = [], []
             for name, tensor in named.items():
                 gname = global_name(name, ep_rank, per_rank)
-                halves = list(tensor.chunk(2)) if gname.endswith(GATED) or ".experts.linear_fc1." in gname \
-                    else [tensor]
+                halves = list(tensor.chunk(2)) if gname.endswith(GATED) or ".experts.linear_fc1." in gname else [tensor]
                 hf_names, _ = converter.convert_param(gname, halves)
                 converted_names += hf_names
                 full = torch.cat([hf.get(n) for n in hf_names])
@@ -388,15 +442,15 @@ def _model_worker(rank, port, world, tp, ep, hf_dir, ckpt, ref_file, results):
             attention_mask[b, :n] = True
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         labels = torch.roll(input_ids, -1, dims=1)
-        logits = gptmodel_forward(model, input_ids, attention_mask, position_ids,
-                                  sequence_parallel=config.sequence_parallel)
+        logits = gptmodel_forward(
+            model, input_ids, attention_mask, position_ids, sequence_parallel=config.sequence_parallel
+        )
         token_loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float().contiguous(), labels)
         loss = (token_loss * attention_mask).sum() / attention_mask.sum()
         loss.backward()
         model.ddp_config = DistributedDataParallelConfig()
         _allreduce_layernorm_grads([model], config)
-        grads = {global_name(n, ep_rank, per_rank): p.grad for n, p in model.named_parameters()
-                 if p.grad is not None}
+        grads = {global_name(n, ep_rank, per_rank): p.grad for n, p in model.named_parameters() if p.grad is not None}
         out["loss"] = loss.item()
         out["no_grad"] = sorted(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
         if world == 1:

@@ -30,7 +30,9 @@ def tiny(tmp_path_factory):
 
 
 def _reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, torch_dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).eval()
 
 
 def _logits(model, ids):
@@ -60,12 +62,20 @@ def test_unknown_misshaped_and_missing_pairs_are_refused_by_name(tiny):
         engine.load_weights([*pairs.items(), ("model.layers.9.mlp.gate.weight", torch.zeros(8, 200))])
     bad = dict(pairs)
     bad["model.layers.2.mlp.experts.3.up_proj.weight"] = bad["model.layers.2.mlp.experts.3.up_proj.weight"][:-1]
-    with pytest.raises(hf_engine.WeightSyncError, match=r"'model.layers.2.mlp.experts.3.up_proj.weight' with shape \(71, 200\); .* \(72, 200\)"):
+    with pytest.raises(
+        hf_engine.WeightSyncError,
+        match=r"'model.layers.2.mlp.experts.3.up_proj.weight' with shape \(71, 200\); .* \(72, 200\)",
+    ):
         engine.load_weights(bad.items())
     missing = {k: v for k, v in pairs.items() if k != "model.layers.3.mlp.gate.e_score_correction_bias"}
-    with pytest.raises(hf_engine.WeightSyncError, match=r"1 rollout weight\(s\) unwritten: model.layers.3.mlp.gate.e_score_correction_bias"):
+    with pytest.raises(
+        hf_engine.WeightSyncError,
+        match=r"1 rollout weight\(s\) unwritten: model.layers.3.mlp.gate.e_score_correction_bias",
+    ):
         engine.load_weights(missing.items())
-    assert engine.unwritten(engine.load_weights(missing.items(), strict=False)) == ["model.layers.3.mlp.gate.e_score_correction_bias"]
+    assert engine.unwritten(engine.load_weights(missing.items(), strict=False)) == [
+        "model.layers.3.mlp.gate.e_score_correction_bias"
+    ]
 
 
 def test_offload_frees_storage_and_onload_load_restores(tiny):

@@ -28,13 +28,24 @@ def model(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny")
     make_tiny(path, tokenizer=False)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, torch_dtype=torch.float32, attn_implementation="sdpa"
+    )
 
 
 def _config(**kw):
-    base = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, n=1, response_length=RESPONSE, dtype="float32",
-                calculate_log_probs=True, micro_batch_size=4,
-                val_kwargs=dict(top_k=0, top_p=1.0, temperature=0, n=1, do_sample=False))
+    base = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        n=1,
+        response_length=RESPONSE,
+        dtype="float32",
+        calculate_log_probs=True,
+        micro_batch_size=4,
+        val_kwargs=dict(top_k=0, top_p=1.0, temperature=0, n=1, do_sample=False),
+    )
     base.update(kw)
     return OmegaConf.create(base)
 
@@ -46,7 +57,9 @@ def _prompts(batch=4, length=6):
     for i in range(batch):  # left padding of 0..batch-1 tokens
         mask[i, :i] = 0
         ids[i, :i] = PAD
-    data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_id_with_mask(mask)})
+    data = DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_id_with_mask(mask)}
+    )
     data.meta_info.update(eos_token_id=EOS, pad_token_id=PAD)
     return data
 
@@ -54,8 +67,10 @@ def _prompts(batch=4, length=6):
 def _teacher_forced(model, out, temperature, top_k):
     """The sampling distribution's log-probs of the responses, from one forward over prompt + response."""
     with torch.no_grad():
-        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
-    logits = logits[:, -RESPONSE - 1:-1].float() / temperature
+        logits = model(
+            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
+        ).logits
+    logits = logits[:, -RESPONSE - 1 : -1].float() / temperature
     if top_k:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -83,7 +98,9 @@ def test_greedy_validation_log_probs_are_the_plain_softmax(model):
     prompts.meta_info.update(validate=True, do_sample=False)  # what verl's trainer sends for validation
     out = rollout.generate_sequences(prompts).batch
     valid = out["attention_mask"][:, -RESPONSE:].bool()
-    torch.testing.assert_close(out["rollout_log_probs"][valid], _teacher_forced(model, out, 1.0, 0)[valid], rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        out["rollout_log_probs"][valid], _teacher_forced(model, out, 1.0, 0)[valid], rtol=0, atol=2e-5
+    )
 
 
 def test_off_by_default():
@@ -94,7 +111,9 @@ def test_off_by_default():
         rollout = OmegaConf.load(config_dir / name).actor_rollout_ref.rollout
         assert rollout.calculate_log_probs is False and hf_sampling.autocast_enabled(rollout), name
     assert not hf_sampling.calculate_log_probs(OmegaConf.create({}))
-    assert hf_sampling.autocast_enabled(OmegaConf.create({})) and hf_sampling.autocast_enabled(OmegaConf.create({"dtype": "bfloat16"}))
+    assert hf_sampling.autocast_enabled(OmegaConf.create({})) and hf_sampling.autocast_enabled(
+        OmegaConf.create({"dtype": "bfloat16"})
+    )
     assert not hf_sampling.autocast_enabled(OmegaConf.create({"dtype": "float32"}))
 
 

@@ -42,12 +42,17 @@ def _offload_worker(rank, port, results):
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
-
     from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
 
     mpu.initialize_model_parallel(1, 1)
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
-                               params_dtype=torch.bfloat16, bf16=True)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+    )
 
     class Tiny(MegatronModule):
         def __init__(self):
@@ -75,8 +80,9 @@ def test_megatron_params_offload_and_come_back_on_cpu():
 def test_transformer_config_drops_cuda_only_kernels_on_cpu():
     from megatron.core.transformer.enums import AttnBackend
 
-    got = cpu_models.device_transformer_config({"attention_backend": AttnBackend.fused, "moe_shared_expert_overlap": True,
-                                                "num_layers": 3})
+    got = cpu_models.device_transformer_config(
+        {"attention_backend": AttnBackend.fused, "moe_shared_expert_overlap": True, "num_layers": 3}
+    )
     assert got["attention_backend"] is AttnBackend.local and got["use_cpu_initialization"] is True
     assert got["moe_shared_expert_overlap"] is False and got["gradient_accumulation_fusion"] is False
     assert got["num_layers"] == 3
@@ -84,12 +90,20 @@ def test_transformer_config_drops_cuda_only_kernels_on_cpu():
 
 def test_tp_extend_ep_becomes_megatron_cores_own_expert_groups():
     def megatron(**kw):
-        base = {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None,
-                "moe_tp_extend_ep": True, "mindspeed": {"enable": False}}
+        base = {
+            "tensor_model_parallel_size": 2,
+            "expert_model_parallel_size": 1,
+            "expert_tensor_parallel_size": None,
+            "moe_tp_extend_ep": True,
+            "mindspeed": {"enable": False},
+        }
         return OmegaConf.create({**base, **kw})
 
     assert tp_extend_ep.expert_parallel_sizes(megatron()) == (2, 1)
-    assert tp_extend_ep.expert_parallel_sizes(megatron(expert_model_parallel_size=8, tensor_model_parallel_size=4)) == (32, 1)
+    assert tp_extend_ep.expert_parallel_sizes(megatron(expert_model_parallel_size=8, tensor_model_parallel_size=4)) == (
+        32,
+        1,
+    )
     assert tp_extend_ep.expert_parallel_sizes(megatron(moe_tp_extend_ep=False)) == (1, None)
     # MindSpeed extends the groups itself: the sizes go to Megatron as they are
     assert tp_extend_ep.expert_parallel_sizes(megatron(mindspeed={"enable": True})) == (1, None)

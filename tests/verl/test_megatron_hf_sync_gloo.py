@@ -24,10 +24,15 @@ mpu = require("megatron.core.parallel_state")
 weight_converter = require("verl.models.mcore.weight_converter")
 
 LAYER_NAME_MAPPING = {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj_layer_name": "linear_fc1.weight"}
-ATTN = {"linear_q_down_proj.weight": ("q_a_proj.weight", None), "linear_q_up_proj.layer_norm_weight": ("q_a_layernorm.weight", None),
-        "linear_q_up_proj.weight": ("q_b_proj.weight", 0), "linear_kv_down_proj.weight": ("kv_a_proj_with_mqa.weight", None),
-        "linear_kv_up_proj.layer_norm_weight": ("kv_a_layernorm.weight", None), "linear_kv_up_proj.weight": ("kv_b_proj.weight", 0),
-        "linear_proj.weight": ("o_proj.weight", 1)}
+ATTN = {
+    "linear_q_down_proj.weight": ("q_a_proj.weight", None),
+    "linear_q_up_proj.layer_norm_weight": ("q_a_layernorm.weight", None),
+    "linear_q_up_proj.weight": ("q_b_proj.weight", 0),
+    "linear_kv_down_proj.weight": ("kv_a_proj_with_mqa.weight", None),
+    "linear_kv_up_proj.layer_norm_weight": ("kv_a_layernorm.weight", None),
+    "linear_kv_up_proj.weight": ("kv_b_proj.weight", 0),
+    "linear_proj.weight": ("o_proj.weight", 1),
+}
 STALE = "model.layers.2.mlp.experts.5.down_proj.weight"
 SWAPPED = "model.layers.1.self_attn.o_proj.weight"
 BIAS = "model.layers.3.mlp.gate.e_score_correction_bias"
@@ -39,6 +44,7 @@ def _gate_up(gate, up, tp, r):
 
 def megatron_shards(hf: dict, stage: int, per_stage: int, dense: int, tp: int, r: int):
     """(local Megatron name, tensor, TP partition dim or None, is a buffer) of one train rank, from HF tensors."""
+
     def split(t, dim):
         return t if dim is None else t.chunk(tp, dim)[r].contiguous()
 
@@ -51,25 +57,50 @@ def megatron_shards(hf: dict, stage: int, per_stage: int, dense: int, tp: int, r
         for mc, (name, dim) in ATTN.items():
             out.append((f"{pre}.self_attention.{mc}", split(hf[f"{h}.self_attn.{name}"], dim), dim, False))
         if g < dense:
-            out += [(f"{pre}.mlp.linear_fc1.layer_norm_weight", hf[f"{h}.post_attention_layernorm.weight"], None, False),
-                    (f"{pre}.mlp.linear_fc1.weight", _gate_up(hf[f"{h}.mlp.gate_proj.weight"], hf[f"{h}.mlp.up_proj.weight"], tp, r), 0, False),
-                    (f"{pre}.mlp.linear_fc2.weight", split(hf[f"{h}.mlp.down_proj.weight"], 1), 1, False)]
+            out += [
+                (f"{pre}.mlp.linear_fc1.layer_norm_weight", hf[f"{h}.post_attention_layernorm.weight"], None, False),
+                (
+                    f"{pre}.mlp.linear_fc1.weight",
+                    _gate_up(hf[f"{h}.mlp.gate_proj.weight"], hf[f"{h}.mlp.up_proj.weight"], tp, r),
+                    0,
+                    False,
+                ),
+                (f"{pre}.mlp.linear_fc2.weight", split(hf[f"{h}.mlp.down_proj.weight"], 1), 1, False),
+            ]
             continue
-        out += [(f"{pre}.pre_mlp_layernorm.weight", hf[f"{h}.post_attention_layernorm.weight"], None, False),
-                (f"{pre}.mlp.router.weight", hf[f"{h}.mlp.gate.weight"], None, False)]
+        out += [
+            (f"{pre}.pre_mlp_layernorm.weight", hf[f"{h}.post_attention_layernorm.weight"], None, False),
+            (f"{pre}.mlp.router.weight", hf[f"{h}.mlp.gate.weight"], None, False),
+        ]
         e = 0
         while f"{h}.mlp.experts.{e}.gate_proj.weight" in hf:
             x = f"{h}.mlp.experts.{e}"
-            out += [(f"{pre}.mlp.experts.linear_fc1.weight{e}", _gate_up(hf[f"{x}.gate_proj.weight"], hf[f"{x}.up_proj.weight"], tp, r), 0, False),
-                    (f"{pre}.mlp.experts.linear_fc2.weight{e}", split(hf[f"{x}.down_proj.weight"], 1), 1, False)]
+            out += [
+                (
+                    f"{pre}.mlp.experts.linear_fc1.weight{e}",
+                    _gate_up(hf[f"{x}.gate_proj.weight"], hf[f"{x}.up_proj.weight"], tp, r),
+                    0,
+                    False,
+                ),
+                (f"{pre}.mlp.experts.linear_fc2.weight{e}", split(hf[f"{x}.down_proj.weight"], 1), 1, False),
+            ]
             e += 1
         s = f"{h}.mlp.shared_experts"
-        out += [(f"{pre}.mlp.shared_experts.linear_fc1.weight", _gate_up(hf[f"{s}.gate_proj.weight"], hf[f"{s}.up_proj.weight"], tp, r), 0, False),
-                (f"{pre}.mlp.shared_experts.linear_fc2.weight", split(hf[f"{s}.down_proj.weight"], 1), 1, False),
-                (f"{pre}.mlp.router.expert_bias", hf[f"{h}.mlp.gate.e_score_correction_bias"], None, True)]  # state_dict only, as in mcore
+        out += [
+            (
+                f"{pre}.mlp.shared_experts.linear_fc1.weight",
+                _gate_up(hf[f"{s}.gate_proj.weight"], hf[f"{s}.up_proj.weight"], tp, r),
+                0,
+                False,
+            ),
+            (f"{pre}.mlp.shared_experts.linear_fc2.weight", split(hf[f"{s}.down_proj.weight"], 1), 1, False),
+            (f"{pre}.mlp.router.expert_bias", hf[f"{h}.mlp.gate.e_score_correction_bias"], None, True),
+        ]  # state_dict only, as in mcore
     if stage == 1:
-        out += [("decoder.final_layernorm.weight", hf["model.norm.weight"], None, False),
-                ("output_layer.weight", split(hf["lm_head.weight"], 0), 0, False)]
+        out += [
+            ("decoder.final_layernorm.weight", hf["model.norm.weight"], None, False),
+            ("output_layer.weight", split(hf["lm_head.weight"], 0), 0, False),
+        ]
     return out
 
 
@@ -115,18 +146,28 @@ def _worker(rank, port, path, tp_pp, results):
         config = AutoConfig.from_pretrained(path)
         stage, tp_rank = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
         model = fake_model(megatron_shards(hf, stage, 2, config.first_k_dense_replace, 2, tp_rank))
-        tf_config = SimpleNamespace(pipeline_model_parallel_size=2, num_layers=4, num_layers_in_first_pipeline_stage=2,
-                                    num_layers_in_last_pipeline_stage=2, num_moe_experts=config.n_routed_experts)
-        converter = weight_converter.McoreToHFWeightConverterDpskv3(config, SimpleNamespace(num_moe_experts=config.n_routed_experts))
+        tf_config = SimpleNamespace(
+            pipeline_model_parallel_size=2,
+            num_layers=4,
+            num_layers_in_first_pipeline_stage=2,
+            num_layers_in_last_pipeline_stage=2,
+            num_moe_experts=config.n_routed_experts,
+        )
+        converter = weight_converter.McoreToHFWeightConverterDpskv3(
+            config, SimpleNamespace(num_moe_experts=config.n_routed_experts)
+        )
         engine = hf_engine.HFRolloutEngine(config, dtype=torch.bfloat16)
-        manager = megatron_hf.MegatronHFShardingManager([model], engine, config, tf_config, LAYER_NAME_MAPPING, converter,
-                                                        reshard={"tp_pp": tp_pp}, verify=True)
+        manager = megatron_hf.MegatronHFShardingManager(
+            [model], engine, config, tf_config, LAYER_NAME_MAPPING, converter, reshard={"tp_pp": tp_pp}, verify=True
+        )
         out = {"parked_empty": all(engine.tensor(n).numel() == 0 for n in engine.weight_names())}
 
         # a sound sync: every engine weight written with the checkpoint's value, nothing reported
         manager.lifecycle.enter_rollout(manager.weights)
         out["good"] = list(manager.last_mismatches)
-        out["differ"] = [n for n in engine.weight_names() if not torch.equal(engine.tensor(n), hf[n].to(engine.tensor(n).dtype))]
+        out["differ"] = [
+            n for n in engine.weight_names() if not torch.equal(engine.tensor(n), hf[n].to(engine.tensor(n).dtype))
+        ]
         out["bytes"] = manager.engine.last_sync_bytes
         out["want_bytes"] = sum(t.numel() * t.element_size() for t in hf.values())
         out["metrics"] = dict(manager.metrics)  # __enter__ sets the byte metrics; checked below through a with block
@@ -205,17 +246,29 @@ def test_checksum_sees_moved_blocks():
 def test_the_worker_hook_builds_a_parked_hf_rollout(tiny):
     from omegaconf import OmegaConf
     from transformers import AutoConfig
-
-    from tests.gloo import single_rank_model_parallel
     from verl.workers.rollout.hf_rollout import HFRollout
 
-    config = OmegaConf.load(os.path.join(os.path.dirname(megatron_hf.__file__), "../../trainer/config/ppo_megatron_trainer.yaml"))
+    from tests.gloo import single_rank_model_parallel
+
+    config = OmegaConf.load(
+        os.path.join(os.path.dirname(megatron_hf.__file__), "../../trainer/config/ppo_megatron_trainer.yaml")
+    )
     config.actor_rollout_ref.rollout.name = "hf"
     hf_config = AutoConfig.from_pretrained(tiny)
     tf_config = SimpleNamespace(pipeline_model_parallel_size=1, num_layers=4, num_moe_experts=8)
     with single_rank_model_parallel():
-        rollout, manager = megatron_hf.build_hf_rollout(config.actor_rollout_ref.rollout, hf_config, tf_config, [torch.nn.Module()],
-                                                        LAYER_NAME_MAPPING, None, offload_params=False)
+        rollout, manager = megatron_hf.build_hf_rollout(
+            config.actor_rollout_ref.rollout,
+            hf_config,
+            tf_config,
+            [torch.nn.Module()],
+            LAYER_NAME_MAPPING,
+            None,
+            offload_params=False,
+        )
     assert isinstance(rollout, HFRollout) and rollout.module is manager.engine.model
     assert manager.lifecycle.state == "parked" and not manager.verify
-    assert manager.engine.tensor("lm_head.weight").numel() == 0 and manager.engine.tensor("lm_head.weight").dtype == torch.bfloat16
+    assert (
+        manager.engine.tensor("lm_head.weight").numel() == 0
+        and manager.engine.tensor("lm_head.weight").dtype == torch.bfloat16
+    )

@@ -217,7 +217,7 @@ def test_a_layout_without_a_directed_expert_plan_is_refused_or_falls_back():
     # rollout EP 6 (DP3 TP2, two instances) against the train EP 4: neither divides the other
     small = _layout(world=12, dp=3, tp=2, num_experts=24)
     with pytest.raises(weight_sync.ReshardLayoutError,
-                       match=r"rollout EP 6 and the train ETP group 4: neither divides the other.*reshard.experts=gather"):
+                       match=r"rollout EP 6 and the train ETP group 4: neither divides.*reshard.experts=gather"):
         directed.resolve(2, 1, 1, small)
     with pytest.raises(weight_sync.ReshardLayoutError,
                        match=r"train PP1 EP4 ETP2 VPP1 .*expert tensor parallel 1.*reshard.experts=gather"):
