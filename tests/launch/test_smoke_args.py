@@ -110,3 +110,13 @@ def test_the_prepared_inputs_pass_the_launchers_input_checks(tmp_path):
     prepared = run.prepare(recipe, env.NodeFacts("127.0.0.1", "lo", "127.0.0.1", True, None), "t", tmp_path / "logs")
     assert [c.message() for c in prepared.checks + prepared.inputs if not c.ok] == []
     assert prepared.ready
+
+
+def test_a_changed_tiny_model_gets_folders_of_its_own(monkeypatch):
+    from tools.weights import tiny
+
+    before = smoke._model_folders()
+    assert before == (smoke.MODEL, smoke.MCORE) and smoke.MCORE.startswith(smoke.MODEL)
+    monkeypatch.setitem(tiny.TINY_CONFIG, "num_experts_per_tok", 2)
+    after = smoke._model_folders()
+    assert after[0] != before[0] and after[1] != before[1]

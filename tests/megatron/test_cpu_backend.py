@@ -42,6 +42,8 @@ def _tiny_config(**overrides):
         gated_linear_unit=True,
         activation_func=F.silu,
         bias_activation_fusion=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
     )
     kw.update(overrides)
     return TransformerConfig(**kw)
@@ -159,27 +161,33 @@ def _norm_sp_worker(rank, port, world, results):
 
     h = F.silu(rms(rms(x, ref["norm"]), ref["ln"]) @ ref["fc1"].T)
     (h @ ref["fc2"].T).square().sum().backward()
+
+    def err(got, want):  # relative to the largest reference entry
+        return ((got - want).abs().max() / want.abs().max()).item()
+
+    y_ref = (h @ ref["fc2"].T).chunk(world)[rank]
     results[rank] = {
         "marked": [getattr(p, "sequence_parallel", False) for p in (chunk.norm.weight, chunk.fc1.layer_norm_weight)],
-        "y": (y - (h @ ref["fc2"].T).chunk(world)[rank]).abs().max().item(),
-        "before": max((before[k] - ref[k].grad).abs().max().item() for k in before),
-        "norm": (chunk.norm.weight.grad - ref["norm"].grad).abs().max().item(),
-        "ln": (chunk.fc1.layer_norm_weight.grad - ref["ln"].grad).abs().max().item(),
-        "fc1": (chunk.fc1.weight.grad - ref["fc1"].grad.chunk(world)[rank]).abs().max().item(),
-        "fc2": (chunk.fc2.weight.grad - ref["fc2"].grad.chunk(world, dim=1)[rank]).abs().max().item(),
+        "y": err(y, y_ref),
+        "before": max(err(before[k], ref[k].grad) for k in before),
+        "norm": err(chunk.norm.weight.grad, ref["norm"].grad),
+        "ln": err(chunk.fc1.layer_norm_weight.grad, ref["ln"].grad),
+        "fc1": err(chunk.fc1.weight.grad, ref["fc1"].grad.chunk(world)[rank]),
+        "fc2": err(chunk.fc2.weight.grad, ref["fc2"].grad.chunk(world, dim=1)[rank]),
     }
     torch.distributed.destroy_process_group()
 
 
 def test_norms_with_sequence_parallel_are_marked_and_their_grads_all_reduced():
-    results = run_processes(_norm_sp_worker, 2, 2)
+    # spawn: workers forked from a process that imported megatron.core hang in gloo's rendezvous
+    results = run_processes(_norm_sp_worker, 2, 2, start_method="spawn")
     for rank, r in results.items():
         assert r["marked"] == [True, True], rank
-        assert r["y"] < 1e-5, r
+        assert r["y"] < 1e-4, r
         # each rank only saw its half of the sequence: the local norm grads are partial ...
-        assert r["before"] > 1e-3, r
+        assert r["before"] > 0.1, r
         # ... and Megatron's sequence-parallel all-reduce (finalize_model_grads) completes them
-        assert max(r["norm"], r["ln"], r["fc1"], r["fc2"]) < 1e-4, r
+        assert max(r["norm"], r["ln"], r["fc1"], r["fc2"]) < 1e-4, r  # fp32 rounding
 
 
 # --- torch-native modules against plain computations ---------------------------------------------
@@ -218,7 +226,8 @@ def test_sdpa_attention_takes_mla_channels_and_packed_sequences():
         # thd: three sequences (lengths 5, 3, 4, padded to 6, 4, 4) packed as verl packs them
         lens, padded = [5, 3, 4], [6, 4, 4]
         t = sum(padded)
-        q, k = torch.randn(2, t, 4, 12, generator=g, requires_grad=True)
+        q = torch.randn(t, 4, 12, generator=g, requires_grad=True)
+        k = torch.randn(t, 4, 12, generator=g, requires_grad=True)
         v = torch.randn(t, 4, 8, generator=g, requires_grad=True)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         cu_pad = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
@@ -434,7 +443,9 @@ def _model_worker(rank, port, world, tp, ep, hf_dir, ckpt, ref_file, results):
             out["bad"], out["hf_names"] = bad, converted_names
             continue
 
-        # fp32: the same weights (the checkpoint is bf16); loss and gradients on packed sequences
+        # fp32: the same weights (the checkpoint is bf16); loss and gradients on packed sequences.
+        # sequence parallelism forks Megatron's model-parallel RNG around the embedding's dropout: host states on CPU
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
         g = torch.Generator().manual_seed(0)
         input_ids = torch.randint(0, hf_config.vocab_size, (3, 10), generator=g)
         attention_mask = torch.zeros(3, 10, dtype=torch.bool)

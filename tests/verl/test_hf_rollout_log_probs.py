@@ -17,7 +17,7 @@ transformers = require("transformers")
 from verl import DataProto  # noqa: E402
 from verl.utils.model import compute_position_id_with_mask  # noqa: E402
 
-EOS = list(range(1, 33))  # a tenth of the vocabulary: most responses end early, so the padding is exercised
+EOS = list(range(1, 65))  # a fifth of the vocabulary: most responses end early, so the padding is exercised
 PAD = 0
 RESPONSE = 10
 

@@ -107,7 +107,7 @@ DEEPSEEK_V3 = {
 
 # Same architecture, tiny: 5 layers (2 dense), 8 experts in 4 groups, MTP layer declared.
 TINY = {**DEEPSEEK_V3, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 5,
-        "first_k_dense_replace": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "first_k_dense_replace": 2, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
         "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 8,
         "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "vocab_size": 64,
         "max_position_embeddings": 4096 * 40}

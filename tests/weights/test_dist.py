@@ -20,8 +20,8 @@ from tools.weights import dist
 from tools.weights.io import CheckpointError, ShardedReader
 from tools.weights.tiny import make_tiny
 
-# 3 layers (1 dense), 4 experts, 1 shared expert; small odd sizes.
-TINY = {"num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2}
+# 3 layers (1 dense), 4 experts in 2 groups, 1 shared expert; small odd sizes.
+TINY = {"num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1}
 quiet = {"say": lambda *a: None}
 
 

@@ -34,7 +34,21 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "recipes/deepseek_r1/configs"
 PROFILES = {"megatron": CONFIGS / "cpu-tiny.yaml", "fsdp": CONFIGS / "cpu-tiny-fsdp.yaml"}
 CONFIG = PROFILES["megatron"]
-MODEL, DATA, MCORE = "tiny", "arith", "tiny-mcore"  # folders under --work
+
+
+def _model_folders() -> tuple[str, str]:
+    """The model's folder names under --work carry a digest of make-tiny's config, so a changed tiny model (and its
+    conversion) is made anew instead of a stale one being reused."""
+    import hashlib
+    import json
+
+    from tools.weights.tiny import TINY_CONFIG
+
+    digest = hashlib.sha256(json.dumps(TINY_CONFIG, sort_keys=True).encode()).hexdigest()[:8]
+    return f"tiny-{digest}", f"tiny-{digest}-mcore"
+
+
+(MODEL, MCORE), DATA = _model_folders(), "arith"  # folders under --work
 # Easy problems (sums of two numbers up to 20): the strict reward gives a tiny model a reachable target.
 ARITH_ARGS = ("--n", "2000", "--ops", "+", "--max-operand", "20", "--max-terms", "2")
 

@@ -30,7 +30,7 @@ TINY_CONFIG = {
     "num_hidden_layers": 4,
     "first_k_dense_replace": 1,
     "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
+    "num_experts_per_tok": 4,  # = 2 x topk_group, as DeepSeek-V3 (8, 4): see check_group_topk in our verl series
     "n_group": 4,
     "topk_group": 2,
     "n_shared_experts": 1,
