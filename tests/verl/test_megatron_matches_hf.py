@@ -24,10 +24,10 @@ def _worker(rank, port, hf_dir, ckpt, unchecked, results):
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
-
-    from tests.megatron.test_cpu_backend import build_model
     from verl.models.mcore import config_converter as cc
     from verl.models.mcore.model_forward import gptmodel_forward
+
+    from tests.megatron.test_cpu_backend import build_model
 
     if unchecked:
         cc.check_group_topk = lambda hf_config: None  # what the model computes without the check
