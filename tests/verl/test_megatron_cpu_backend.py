@@ -12,7 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.verl.conftest import require, run_forked
+from tests.gloo import run_processes
+from tests.verl.conftest import require
 
 device = require("verl.utils.device")
 cpu_models = require("verl.models.mcore.cpu")
@@ -73,7 +74,8 @@ def _offload_worker(rank, port, results):
 def test_megatron_params_offload_and_come_back_on_cpu():
     """The manual lifecycle offloads the Megatron params before the rollout and loads them back for the update."""
     require("megatron.core.distributed")
-    result = run_forked(_offload_worker, 1)[0]
+    # spawn: a fork of a pytest process that already ran torch threads can hang before the worker starts
+    result = run_processes(_offload_worker, 1, start_method="spawn")[0]
     assert result == {"freed": True, "restored": True}
 
 

@@ -55,13 +55,24 @@ def test_alltoall_tables_are_consistent():
 @pytest.mark.parametrize("train, rollout, experts, words", [
     (dict(tp=2, pp=2, ep=2, world=8), dict(dp=2, tp=2), 8, "train world 8 != rollout world 4"),
     (dict(tp=2, pp=2, ep=2, world=8, tp_extend_ep=False), dict(dp=4, tp=2), 8, "needs moe_tp_extend_ep"),
-    (dict(tp=2, pp=2, ep=2, world=8), dict(dp=1, tp=2, instances=4), 8, "rollout EP 2 not divisible"),
+    (dict(tp=1, pp=1, ep=3, world=6), dict(dp=2, tp=1, instances=3), 6,
+     "rollout EP 2 and the train ETP group 3: neither divides the other"),
     (dict(tp=2, pp=2, ep=2, world=8), dict(dp=4, tp=2), 10, "10 experts not divisible by the train ETP group 4"),
 ])
 def test_layouts_without_a_directed_plan_are_refused(train, rollout, experts, words):
     with pytest.raises(plan.ReshardLayoutError, match=words) as err:
         plan.expert_moves(plan.TrainLayout(**train), plan.RolloutLayout(**rollout), 0, experts)
     assert "all-gather expert path" in str(err.value)
+
+
+def test_one_rank_engines_get_every_expert_once_from_the_train_group():
+    """The CPU smoke's layout: experts split over a stage's TP x EP = 2 ranks, rollout engines of one rank (EP1)."""
+    train, rollout = plan.TrainLayout(tp=2, pp=2, ep=1, world=4), plan.RolloutLayout(dp=1, tp=1, instances=4)
+    for stage in range(2):
+        moves = plan.expert_moves(train, rollout, stage, 8)
+        for dst in range(4):
+            assert sorted(m.expert for m in moves if m.dst == dst) == list(range(8)), (stage, dst)
+        assert {m.src for m in moves} <= {train.rank(tp, 0, 0, stage) for tp in range(2)}
 
 
 def test_row_moves_cover_every_need_and_skip_rows_already_there():

@@ -190,7 +190,9 @@ def test_cached_flow_hands_each_train_rank_the_rows_of_collect_then_split():
         assert results[rank]["moved_update"] == 0 and results[rank]["calls_update"] == 0
         assert results[rank]["cache_left"] == []  # the update frees the step's batch
     update = collect(group, [results[r]["update"] for r in range(4)])
-    assert update.batch is None and update.meta_info["metrics"] == {"rank": [0]}
+    # the update reports what the step's reshards brought: 4 rows of each model input (the ref's take)
+    assert update.batch is None
+    assert update.meta_info["metrics"] == {"rank": [0], "tensor_cache/rows_received": 4 * len(flow.MODEL_INPUTS)}
     assert update.meta_info["seen"] == host.meta_info["global_token_num"]
 
 
