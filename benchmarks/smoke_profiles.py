@@ -44,6 +44,9 @@ def main() -> int:
         later = rows[1:] or rows
         means[profile] = {c: statistics.mean(r.get(c, float("nan")) for r in later) for c in PHASES}
         print(f"{profile:<10} {wall:>9.1f} " + " ".join(f"{means[profile][c]:>17.2f}" for c in PHASES))
+    drift = [(r["logprob diff mean"], r["logprob diff max"]) for r in results["megatron"][1]]
+    print("A3 path, rollout vs update log-prob difference per step (mean, max): "
+          + ", ".join(f"({a:.4f}, {b:.4f})" for a, b in drift))
     ratio = means["megatron"]["step time (s)"] / means["fsdp"]["step time (s)"]
     print(f"A3 path (megatron) step time / FSDP profile step time: {ratio:.2f}")
     return 0

@@ -144,6 +144,11 @@ def test_the_megatron_path_ran_with_the_tensorcache_and_the_directed_sync(run):
         assert values["rollout/weight_sync_bytes"] > 0 and values["rollout/weight_sync_tensors"] > 0
         # after every update the engine's weights equal the actor's HF export, tensor by tensor (router bias included)
         assert values["rollout/weight_sync_mismatches"] == 0 and values["rollout/weight_sync_checked"] > 100, step
+        # the manual lifecycle's steps, each timed in the workers (the reshard without the verification's export)
+        for phase in ("onload", "reshard", "offload_params", "init_kv_cache", "free_kv_cache", "offload_weights",
+                      "verify_sync"):
+            assert values[f"timing_s/rollout_{phase}"] >= 0, (step, phase)
+        assert values["timing_s/rollout_reshard"] > 0
 
 
 @MEGATRON_ONLY

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -295,6 +296,20 @@ def test_out_of_order_calls_are_refused():
     lifecycle.enter_rollout(lambda: iter(()))
     with pytest.raises(RuntimeError, match="after_update called in state 'rollout', expected 'parked'"):
         lifecycle.after_update()
+
+
+def test_each_step_of_the_order_is_timed():
+    class SlowEngine:
+        def __getattr__(self, name):  # every RolloutEngine call takes 10 ms
+            return lambda *a: time.sleep(0.01)
+
+    lifecycle = lc.RolloutLifecycle(SlowEngine(), FakeTrainer([], {}))
+    lifecycle.state = "parked"
+    lifecycle.enter_rollout(lambda: iter(()))
+    lifecycle.exit_rollout()
+    steps = ("onload", "reshard", "offload_params", "init_kv_cache", "free_kv_cache", "offload_weights")
+    assert sorted(lifecycle.seconds) == sorted(steps)
+    assert all(lifecycle.seconds[s] >= 0.01 for s in steps if s != "offload_params")  # the fake trainer is instant
 
 
 def test_manual_needs_the_in_process_engine_core():

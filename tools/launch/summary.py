@@ -50,11 +50,12 @@ def throughput(step: Step, samples: int, cards: int, dies_per_card: int) -> list
     return metrics.report(stats, cards, dies_per_card)
 
 
-# Columns of metrics that only some paths log (verl series): the rollout-versus-update log-prob drift and the weight
-# sync's checksum, when the rollout returns its log-probs and the sync is verified.
+# Columns of metrics that only some paths log (verl series): the rollout-versus-update log-prob drift, the weight
+# sync's checksum and the reshard's time, where the rollout returns its log-probs and runs the manual lifecycle.
 OPTIONAL_COLUMNS = (("logprob diff max", "training/rollout_logprob_diff_max"),
                     ("logprob diff mean", "training/rollout_logprob_diff_mean"),
-                    ("sync mismatches", "rollout/weight_sync_mismatches"))
+                    ("sync mismatches", "rollout/weight_sync_mismatches"),
+                    ("reshard time (s)", "timing_s/rollout_reshard"))
 
 
 def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> list[dict[str, float]]:
