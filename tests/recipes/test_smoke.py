@@ -54,9 +54,9 @@ def _ray_processes(since: float = 0.0) -> dict[int, list[str]]:
 
 
 # rollout (HF engine, bf16) versus the update's own forward (Megatron, bf16) on the sampled tokens, per step: measured
-# 0.06 mean / 0.38 max over 2-step runs; a broken sync (tests/verl/test_megatron_hf_sync_gloo.py) is caught by the
-# checksum, which must report no mismatch here
-LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 0.15, 1.0
+# 0.005-0.007 mean, 0.15-0.25 max over 3 steps (fp32 gives 1e-4 mean: tests/verl/test_megatron_matches_hf.py). Before
+# the grouped-routing fix the two models routed differently: 0.06 mean, 0.38 max, which these bounds refuse.
+LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 0.02, 0.5
 
 
 @pytest.fixture(scope="module", params=["megatron", "fsdp"])
@@ -149,6 +149,7 @@ def test_the_megatron_path_ran_with_the_tensorcache_and_the_directed_sync(run):
                       "verify_sync"):
             assert values[f"timing_s/rollout_{phase}"] >= 0, (step, phase)
         assert values["timing_s/rollout_reshard"] > 0
+        assert values["timing_s/reshard"] > 0 and values["timing_s/offload"] > 0  # the recipe's metric lines read these
 
 
 @MEGATRON_ONLY
@@ -157,4 +158,4 @@ def test_rollout_and_update_log_probs_agree_within_the_bound(run):
     for r in rows:
         assert 0 < r["logprob diff mean"] <= LOGPROB_DIFF_MEAN, r
         assert r["logprob diff mean"] <= r["logprob diff max"] <= LOGPROB_DIFF_MAX, r
-    assert "logprob" in run["proc"].stdout, "the summary table shows the log-prob columns"
+    assert "logprob diff max" in run["proc"].stdout, "the summary table shows the log-prob columns"

@@ -50,12 +50,11 @@ def throughput(step: Step, samples: int, cards: int, dies_per_card: int) -> list
     return metrics.report(stats, cards, dies_per_card)
 
 
-# Columns of metrics that only some paths log (verl series): the rollout-versus-update log-prob drift, the weight
-# sync's checksum and the reshard's time, where the rollout returns its log-probs and runs the manual lifecycle.
+# Columns of metrics that only some paths log (verl series): the rollout-versus-update log-prob drift and the weight
+# sync's checksum, where the rollout returns its log-probs and the sync is verified.
 OPTIONAL_COLUMNS = (("logprob diff max", "training/rollout_logprob_diff_max"),
                     ("logprob diff mean", "training/rollout_logprob_diff_mean"),
-                    ("sync mismatches", "rollout/weight_sync_mismatches"),
-                    ("reshard time (s)", "timing_s/rollout_reshard"))
+                    ("sync mismatches", "rollout/weight_sync_mismatches"))
 
 
 def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> list[dict[str, float]]:
@@ -78,12 +77,16 @@ def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
 
     columns = ["step", "reward mean", "response length", "step time (s)", "system TPS per card",
                "system TPS per die", "rollout time (s)", "ref time (s)", "update time (s)"]
+    # what only some paths log: the A3 path's reshard and offload phases (0 elsewhere), the log-prob drift and the sync
+    # check (absent elsewhere)
+    columns += [c for c in ("reshard time (s)", "offload time (s)") if any(r.get(c, 0) for r in rows)]
+    columns += [name for name, _ in OPTIONAL_COLUMNS if any(name in r for r in rows)]
     t = Table(title=f"run summary: {len(rows)} step(s)")
     for c in columns:
         t.add_column(c, justify="right")
     for r in rows:
         t.add_row(*[_cell(r.get(c, math.nan)) for c in columns])
-    console = Console(width=160, record=True, force_terminal=False)
+    console = Console(width=240, record=True, force_terminal=False)
     with console.capture() as cap:
         console.print(t)
     lines = [cap.get().rstrip()]
