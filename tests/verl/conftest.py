@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.gloo import run_processes
 
@@ -19,3 +20,15 @@ def require(module: str):
 def run_forked(worker, world: int, *args) -> dict:
     """`worker(rank, port, *args, results)` in `world` forked processes (see tests/gloo.py)."""
     return run_processes(worker, world, *args)
+
+
+def owner_of(root, name: str):
+    """The submodule of `root` that holds the dotted parameter `name`, made on the way where missing (the fake
+    Megatron models of the weight-sync tests), and the leaf name."""
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    return mod, leaf

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.gloo import run_processes
-from tests.verl.conftest import require
+from tests.verl.conftest import owner_of, require
 
 megatron_hf = require("verl.workers.sharding_manager.megatron_hf")
 hf_engine = require("verl.workers.rollout.hf_engine")
@@ -107,12 +107,7 @@ def megatron_shards(hf: dict, stage: int, per_stage: int, dense: int, tp: int, r
 def fake_model(shards) -> torch.nn.Module:
     root = torch.nn.Module()
     for name, tensor, dim, buffer in shards:
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
+        mod, leaf = owner_of(root, name)
         if buffer:
             mod.register_buffer(leaf, tensor.clone())
             continue

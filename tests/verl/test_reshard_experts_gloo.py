@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.gloo import run_processes
-from tests.verl.conftest import require
+from tests.verl.conftest import owner_of, require
 
 weight_sync = require("verl.utils.reshard.weight_sync")
 experts = require("verl.utils.reshard.experts")
@@ -73,12 +73,7 @@ def stage_tensors(stage, layers, moe_from, num_experts, ep, ep_rank, tp, tp_rank
 def fake_model(tensors) -> torch.nn.Module:
     root = torch.nn.Module()
     for name, tensor, dim in tensors:
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
+        mod, leaf = owner_of(root, name)
         param = torch.nn.Parameter(tensor, requires_grad=False)
         if dim is not None:
             param.tensor_model_parallel, param.partition_dim = True, dim

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.gloo import run_processes
-from tests.verl.conftest import require
+from tests.verl.conftest import owner_of, require
 from tests.verl.test_reshard_tp_pp_gloo import full_tensor, global_name, shard, stage_params
 
 weight_sync = require("verl.utils.reshard.weight_sync")
@@ -37,12 +37,7 @@ def fake_model(stage: int, layers, dense: int, tp: int, tp_rank: int) -> torch.n
     root = torch.nn.Module()
     params, offset = stage_params(stage, layers, dense, tp)
     for name, shape, dtype, dim in params:
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
+        mod, leaf = owner_of(root, name)
         param = torch.nn.Parameter(shard(full_tensor(global_name(name, offset), shape, dtype), dim, tp, tp_rank),
                                    requires_grad=False)
         if dim is not None:
