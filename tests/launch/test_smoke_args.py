@@ -120,3 +120,20 @@ def test_a_changed_tiny_model_gets_folders_of_its_own(monkeypatch):
     monkeypatch.setitem(tiny.TINY_CONFIG, "num_experts_per_tok", 2)
     after = smoke._model_folders()
     assert after[0] != before[0] and after[1] != before[1]
+
+
+def test_rollout_is_for_the_megatron_profile(capsys):
+    assert smoke.main(["--profile", "fsdp", "--rollout", "hf", "--dry-run"]) == 2
+    assert "--rollout applies to --profile megatron" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rollout, name, dp, instances, ep", [("vllm", "vllm", 2, 2, 2), ("hf", "hf", 1, 4, 1)])
+def test_the_rollout_choice_sets_the_engine_and_its_layout(tmp_path, rollout, name, dp, instances, ep):
+    """vLLM is the default; --rollout hf sets the HF engine's one-rank layout, and the launcher's checks take it."""
+    args = smoke.parser().parse_args(["--rollout", rollout])
+    out = smoke.launcher_args(args, tmp_path / "m", tmp_path / "d", tmp_path / "c")
+    cfg = config.load(out[0], [o for o in out[1:] if "=" in o]).cfg
+    assert config.value(cfg, "actor_rollout_ref.rollout.name") == name
+    assert config.value(cfg, "actor_rollout_ref.rollout.data_parallel_size") == dp
+    layout = config.value(cfg, "recipe.rollout.instances"), config.value(cfg, "recipe.rollout.expert_parallel_size")
+    assert layout == (instances, ep)

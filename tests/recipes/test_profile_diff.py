@@ -16,8 +16,8 @@ ABSENT = "<absent>"
 
 SIZE = "size: the tiny model, 4 ranks, a few seconds per step"
 DEVICE = "device: CPU ranks on one machine instead of 16 nodes of Atlas A3"
-ENGINE = "rollout engine: verl's HF engine inside the Megatron worker instead of vLLM-Ascend"
-VLLM_ONLY = ENGINE + "; a vLLM / vLLM-Ascend setting the HF engine does not read (verl's default stays)"
+ENGINE = "rollout engine: vLLM 0.9.1's CPU engine (our fork's build) instead of vLLM-Ascend"
+ASCEND_ONLY = ENGINE + "; a vLLM-Ascend setting (additional_config) the CPU engine does not read"
 LAYOUT = "layout: TP2 x PP2 x EP1 on 4 ranks (A3: TP4 x PP8 x EP8 on 256), uneven stages as A3's"
 WEIGHTS = ("weights: verl loads the torch_dist conversion (Megatron reshards it at load); the A3 profiles check a"
            " legacy conversion and keep verl's default here (not wired: verl 0.4.0 cannot load legacy rank files)")
@@ -31,9 +31,8 @@ ALLOWED = {
     "launch.env_profile": DEVICE + " (env/cpu.yaml: gloo, no HCCL)",
     "launch.ray.join_timeout_s": DEVICE + ": one local node joins at once or not at all",
     "recipe.model_dims": SIZE,
-    "recipe.rollout.data_parallel_size": ENGINE + ": one HF engine per rank, no DP inside an engine",
-    "recipe.rollout.instances": ENGINE + ": 4 engines of one rank cover the world",
-    "recipe.rollout.expert_parallel_size": ENGINE + ": each HF engine holds every expert",
+    "recipe.rollout.data_parallel_size": LAYOUT + ": 2 instances of DP2 x TP1 (A3: 2 of DP64 x TP2)",
+    "recipe.rollout.expert_parallel_size": LAYOUT + ": EP over an instance's DP2 x TP1 (A3: DP64 x TP2)",
     "recipe.rollout.torchair_graph": DEVICE + ": TorchAir graphs are NPU only (refused on cpu)",
     # data and batch
     "data.max_prompt_length": SIZE,
@@ -70,24 +69,22 @@ ALLOWED = {
     "actor_rollout_ref.ref.megatron.use_dist_checkpointing": WEIGHTS,
     "actor_rollout_ref.ref.megatron.dist_checkpointing_path": WEIGHTS,
     # rollout engine
-    "actor_rollout_ref.rollout.name": ENGINE,
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": ENGINE + ": one unsharded HF engine per rank",
-    "actor_rollout_ref.rollout.data_parallel_size": ENGINE + " (${recipe.rollout.data_parallel_size})",
-    "actor_rollout_ref.rollout.temperature": ENGINE + ": plain sampling with HF's generate for a random tiny model",
-    "actor_rollout_ref.rollout.top_k": ENGINE + ": 0 is off for the HF engine",
-    "actor_rollout_ref.rollout.top_p": ENGINE + ": off, with top_k",
-    "actor_rollout_ref.rollout.val_kwargs.top_k": ENGINE + ": 0 is off for the HF engine (verl's -1 is vLLM's)",
-    "actor_rollout_ref.rollout.verify_weight_sync": "check: a second full weight export per step, affordable only at"
-                                                    " tiny scale (read by the HF engine's sharding manager)",
-    "actor_rollout_ref.rollout.gpu_memory_utilization": VLLM_ONLY,
-    "actor_rollout_ref.rollout.enforce_eager": VLLM_ONLY,
-    "actor_rollout_ref.rollout.free_cache_engine": VLLM_ONLY,
-    "actor_rollout_ref.rollout.max_num_batched_tokens": VLLM_ONLY,
-    "actor_rollout_ref.rollout.enable_chunked_prefill": VLLM_ONLY,
-    "actor_rollout_ref.rollout.max_num_seqs": VLLM_ONLY,
-    "actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs": VLLM_ONLY,
-    "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel": VLLM_ONLY,
-    **{f"actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.{k}": VLLM_ONLY + " (vLLM-Ascend)" for k in (
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": ENGINE + ": its platform turns an external launcher with"
+                                                            " TP > 1 into its own mp executor, so TP1",
+    "actor_rollout_ref.rollout.data_parallel_size": LAYOUT + " (${recipe.rollout.data_parallel_size})",
+    "actor_rollout_ref.rollout.temperature": SIZE + ": plain sampling of a random tiny model",
+    "actor_rollout_ref.rollout.top_k": SIZE + ": plain sampling (-1 is off)",
+    "actor_rollout_ref.rollout.top_p": SIZE + ": plain sampling",
+    "actor_rollout_ref.rollout.verify_weight_sync": "check: a second full weight export and load per step,"
+                                                    " affordable only at tiny scale",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": DEVICE + ": the CPU engine sizes its KV cache by"
+                                                        " VLLM_CPU_KVCACHE_SPACE (env/cpu.yaml) instead",
+    "actor_rollout_ref.rollout.enforce_eager": ENGINE + ": no graphs on CPU, and vLLM's Dynamo path does not trace"
+                                               " under torch 2.13",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": SIZE + ": >= prompt + response (128 + 48)",
+    "actor_rollout_ref.rollout.max_num_seqs": SIZE + ": 8 sequences per engine and step",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs": SIZE + " (${actor_rollout_ref.rollout.max_num_seqs})",
+    **{f"actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.{k}": ASCEND_ONLY for k in (
         "ascend_scheduler_config.enabled", "dp_sync_on_device", "refresh", "torchair_graph_config.enabled",
         "torchair_graph_config.enable_kv_nz", "torchair_graph_config.enable_multistream_mla",
         "torchair_graph_config.enable_multistream_moe", "torchair_graph_config.enable_view_optimize",

@@ -2,7 +2,9 @@
 them (verl's trainer from our fork, a local Ray cluster started and stopped by the launcher):
 - megatron (cpu-tiny.yaml, the default): the A3 path at small scale. Megatron actor and shared ref at TP2 x PP2 with
   the experts over TP (moe_tp_extend_ep), loaded from the torch_dist conversion, the TensorCache flow, the on-policy
-  skip, the directed TP/PP and expert weight sync into an HF engine per rank, the manual rollout lifecycle.
+  skip, and vLLM 0.9.1's CPU engine built from our fork (verl's SPMD vLLMRollout, two instances of DP2 x TP1 with
+  expert parallel) fed by the directed TP/PP and expert weight sync through the manual rollout lifecycle, which frees
+  and re-creates the KV cache every step.
 - fsdp (cpu-tiny-fsdp.yaml): FSDP on gloo and verl's HF rollout.
 """
 
@@ -136,13 +138,14 @@ def test_the_megatron_path_ran_with_the_tensorcache_and_the_directed_sync(run):
     from omegaconf import OmegaConf
 
     verl_cfg = OmegaConf.load(run["run_dir"] / "verl.yaml").actor_rollout_ref
-    assert (verl_cfg.actor.strategy, verl_cfg.ref.strategy, verl_cfg.rollout.name) == ("megatron", "megatron", "hf")
+    assert (verl_cfg.actor.strategy, verl_cfg.ref.strategy, verl_cfg.rollout.name) == ("megatron", "megatron", "vllm")
+    assert verl_cfg.rollout.engine_kwargs.vllm.enable_expert_parallel and verl_cfg.rollout.data_parallel_size == 2
     for step, values in _scalars(run["run_dir"]).items():
         # only the Megatron workers' TensorCache logs this: rows the rollout -> train reshard moved (DP4 -> DP1)
         assert values["tensor_cache/rows_received"] > 0, step
         assert values["rollout/weight_sync_directed_tp_pp"] == 1 and values["rollout/weight_sync_directed_experts"] == 1
         assert values["rollout/weight_sync_bytes"] > 0 and values["rollout/weight_sync_tensors"] > 0
-        # after every update the engine's weights equal the actor's HF export, tensor by tensor (router bias included)
+        # after every update, loading verl's gather path over the directed sync changes no vLLM parameter
         assert values["rollout/weight_sync_mismatches"] == 0 and values["rollout/weight_sync_checked"] > 100, step
         # the manual lifecycle's steps, each timed in the workers (the reshard without the verification's export)
         for phase in ("onload", "reshard", "offload_params", "init_kv_cache", "free_kv_cache", "offload_weights",
@@ -150,6 +153,19 @@ def test_the_megatron_path_ran_with_the_tensorcache_and_the_directed_sync(run):
             assert values[f"timing_s/rollout_{phase}"] >= 0, (step, phase)
         assert values["timing_s/rollout_reshard"] > 0
         assert values["timing_s/reshard"] > 0 and values["timing_s/offload"] > 0  # the recipe's metric lines read these
+
+
+@MEGATRON_ONLY
+def test_the_kv_cache_left_and_came_back_every_step(run):
+    for step, values in _scalars(run["run_dir"]).items():
+        # the workers' own count of the KV tensors they released after the rollout and made before it: one size
+        freed, made = values["rollout/kv_cache_freed_mib"], values["rollout/kv_cache_mib"]
+        assert freed > 0 and made == freed, step
+        assert values["rollout/kv_cache_blocks"] > 0, step
+        # and the process's resident memory: most of the cache is returned to the system and taken again
+        assert values["rollout/kv_cache_freed_rss_mib"] > 0.5 * values["rollout/kv_cache_freed_mib"], step
+        assert values["rollout/kv_cache_made_rss_mib"] > 0.5 * values["rollout/kv_cache_mib"], step
+    assert "kv freed (MiB)" in run["proc"].stdout, "the summary table shows the KV columns"
 
 
 @MEGATRON_ONLY

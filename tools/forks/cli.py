@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 from tools.forks import git, ops
 from tools.forks import rebase as rebase_mod
 from tools.forks.manifest import PROFILES, ManifestError, find_root, load
+from tools.forks.series import Series
 
 EXIT_OK, EXIT_CHECK, EXIT_ERROR, EXIT_STOPPED = 0, 1, 2, 3
 
@@ -87,6 +89,13 @@ def parser() -> argparse.ArgumentParser:
             "body and the trailers `Reason:` and `Upstream-Status:` (Pending | Submitted <link> |\n"
             "Inappropriate <why>).")
     _fork_args(p)
+
+    p = add("test", "Run the tests the series adds, inside each fork's patched tree.",
+            "The test files a patch creates (test_*.py) run with this interpreter's pytest, from the\n"
+            "fork's root and without the fork's own conftest files (upstream's need its whole test\n"
+            "environment). Extra arguments after -- go to pytest. Exits with pytest's status.")
+    _fork_args(p)
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest, after --")
 
     p = add("rebase", "Replay a fork's series onto a new upstream tag or commit.",
             "Patches already upstream (same git patch-id, or emptied by the replay) are dropped and\n"
@@ -255,6 +264,25 @@ def cmd_check(args, manifest, forks) -> int:
     return EXIT_CHECK if bad else EXIT_OK
 
 
+def cmd_test(args, manifest, forks) -> int:
+    status = EXIT_OK
+    extra = [a for a in args.pytest_args if a != "--"]
+    for fork in forks:
+        tests = Series(manifest.root / fork.patches).added_tests()
+        if not tests:
+            print(f"{fork.name}: the series adds no tests")
+            continue
+        cwd = manifest.root / fork.path
+        missing = [t for t in tests if not (cwd / t).is_file()]
+        if missing:
+            raise ops.ForkError(f"{fork.name}: {', '.join(missing)} not in {fork.path};"
+                                f" run `python -m tools.forks apply {fork.name}`")
+        print(f"{fork.name}: {len(tests)} test file(s) of the series, in {fork.path}", flush=True)
+        cmd = [sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-q", *extra, *tests]
+        status = max(status, subprocess.run(cmd, cwd=cwd).returncode)
+    return status
+
+
 def cmd_rebase(args, manifest, forks) -> int:
     fork, root = forks[0], manifest.root
     if args.abort:
@@ -296,6 +324,7 @@ COMMANDS = {
     "apply": cmd_apply,
     "export": cmd_export,
     "check": cmd_check,
+    "test": cmd_test,
     "rebase": cmd_rebase,
     "publish": cmd_publish,
 }

@@ -17,6 +17,8 @@ from tools.forks import git
 
 SERIES = "series"
 UPSTREAM_STATUS = re.compile(r"^(Pending|Submitted \S+|Inappropriate \S.*)$")
+# a file the patch creates: `diff --git a/X b/X` followed by `new file mode`
+NEW_FILE = re.compile(r"^diff --git a/(\S+) b/\1\nnew file mode", re.MULTILINE)
 SERIES_HEADER = "# Order in which the patches apply (tools.forks export writes this file).\n"
 
 
@@ -55,6 +57,17 @@ class Series:
             h.update(path.read_bytes() if path.is_file() else b"<missing>")
             h.update(b"\0")
         return h.hexdigest()
+
+    def added_tests(self) -> list[str]:
+        """Test files (``test_*.py``) the patches create, as paths in the fork's tree, in series order."""
+        found = []
+        for path in self.paths():
+            text = path.read_text(encoding="utf-8") if path.is_file() else ""
+            for match in NEW_FILE.finditer(text):
+                name = match.group(1)
+                if os.path.basename(name).startswith("test_") and name.endswith(".py") and name not in found:
+                    found.append(name)
+        return found
 
     def files_on_disk(self) -> list[str]:
         return sorted(p.name for p in self.dir.glob("*.patch")) if self.dir.is_dir() else []

@@ -4,12 +4,14 @@
   python -m tools.launch.smoke --steps 20           # watch the reward
   python -m tools.launch.smoke --profile fsdp       # the FSDP + HF-rollout profile instead
   python -m tools.launch.smoke --random-init        # Megatron's own random init: no checkpoint is loaded
+  python -m tools.launch.smoke --rollout hf         # verl's HF engine in the Megatron worker instead of vLLM
   python -m tools.launch.smoke --dry-run            # prepare nothing, print the launcher's plan
 
 Profiles (--profile):
   megatron  recipes/deepseek_r1/configs/cpu-tiny.yaml (default): a3-128-true-weight.yaml with only sizes, device
             and rollout engine changed: Megatron actor and ref (TP2 x PP2 on 4 gloo ranks, uneven stages, the
-            torch_dist checkpoint loaded), TensorCache, directed weight sync into verl's HF rollout.
+            torch_dist checkpoint loaded), TensorCache, directed weight sync into vLLM's CPU engine (two
+            instances of DP2 x TP1 with expert parallel; the cpu install profile builds it from our fork).
   fsdp      recipes/deepseek_r1/configs/cpu-tiny-fsdp.yaml: actor and ref on FSDP (2 ranks), verl's HF rollout;
             FSDP loads the HF checkpoint itself.
 
@@ -34,6 +36,13 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "recipes/deepseek_r1/configs"
 PROFILES = {"megatron": CONFIGS / "cpu-tiny.yaml", "fsdp": CONFIGS / "cpu-tiny-fsdp.yaml"}
 CONFIG = PROFILES["megatron"]
+# --rollout: the keys that differ from cpu-tiny.yaml's vLLM rollout (the HF engine holds every expert on every rank)
+ROLLOUTS = {
+    "vllm": [],
+    "hf": ["actor_rollout_ref.rollout.name=hf", "recipe.rollout.data_parallel_size=1", "recipe.rollout.instances=4",
+           "recipe.rollout.expert_parallel_size=1", "actor_rollout_ref.rollout.top_k=0",
+           "actor_rollout_ref.rollout.val_kwargs.top_k=0"],
+}
 
 
 def _model_folders() -> tuple[str, str]:
@@ -61,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    help="megatron: cpu-tiny.yaml, the A3 path at small scale (default); fsdp: cpu-tiny-fsdp.yaml")
     p.add_argument("--random-init", action="store_true",
                    help="megatron profile: no checkpoint, Megatron's random init (recipe.weights.load=false)")
+    p.add_argument("--rollout", choices=tuple(ROLLOUTS), default="vllm",
+                   help="megatron profile: vllm (default, vLLM's CPU engine) or hf (verl's HF engine in the worker,"
+                        " one per rank; same weight sync and lifecycle)")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps (trainer.total_training_steps; default 3)")
     p.add_argument("--work", type=Path, default=ROOT / ".cache/smoke", help="where the model and data are made")
     p.add_argument("--logs", type=Path, default=ROOT / "logs", help="where run folders go (default logs/)")
@@ -120,6 +132,7 @@ def launcher_args(args: argparse.Namespace, model: Path, data: Path, mcore: Path
     if args.profile == "megatron":
         out += ([f"recipe.weights.mcore_checkpoint={mcore}"] if needs_checkpoint(args) else
                 ["recipe.weights.load=false", "recipe.weights.mcore_checkpoint=null"])
+        out += ROLLOUTS[args.rollout]
     out += [*args.overrides, "--master-addr", "127.0.0.1", "--logs", str(args.logs)]
     if args.run_id:
         out += ["--run-id", args.run_id]
@@ -132,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_intermixed_args(argv)
     if args.steps < 1:
         print(f"error: --steps is {args.steps}; give 1 or more", file=sys.stderr)
+        return 2
+    if args.rollout != "vllm" and args.profile != "megatron":
+        print("error: --rollout applies to --profile megatron (the FSDP profile rolls out with verl's HF engine)",
+              file=sys.stderr)
         return 2
     if args.random_init and args.profile != "megatron":
         print("error: --random-init applies to --profile megatron (FSDP always loads model.path's weights)",

@@ -54,7 +54,11 @@ def throughput(step: Step, samples: int, cards: int, dies_per_card: int) -> list
 # sync's checksum, where the rollout returns its log-probs and the sync is verified.
 OPTIONAL_COLUMNS = (("logprob diff max", "training/rollout_logprob_diff_max"),
                     ("logprob diff mean", "training/rollout_logprob_diff_mean"),
-                    ("sync mismatches", "rollout/weight_sync_mismatches"))
+                    ("sync mismatches", "rollout/weight_sync_mismatches"),
+                    # the manual lifecycle on vLLM: the KV cache freed after the rollout, re-created before the next
+                    ("kv freed (MiB)", "rollout/kv_cache_freed_mib"),
+                    ("kv made (MiB)", "rollout/kv_cache_mib"),
+                    ("kv freed rss (MiB)", "rollout/kv_cache_freed_rss_mib"))
 
 
 def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> list[dict[str, float]]:

@@ -1,0 +1,79 @@
+"""`tools.forks test`: the test files a series creates are found from the patches themselves and run in the fork."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tools.forks.series import Series
+
+PATCH = """From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+Subject: [PATCH] Add a thing
+
+diff --git a/pkg/thing.py b/pkg/thing.py
+new file mode 100644
+--- /dev/null
++++ b/pkg/thing.py
+@@ -0,0 +1 @@
++VALUE = 3
+diff --git a/tests/test_old.py b/tests/test_old.py
+index 1111111..2222222 100644
+--- a/tests/test_old.py
++++ b/tests/test_old.py
+@@ -1 +1 @@
+-x = 1
++x = 2
+diff --git a/tests/unit/test_thing.py b/tests/unit/test_thing.py
+new file mode 100644
+--- /dev/null
++++ b/tests/unit/test_thing.py
+@@ -0,0 +1 @@
++def test_value(): from pkg.thing import VALUE; assert VALUE == {value}
+diff --git a/tests/unit/helpers.py b/tests/unit/helpers.py
+new file mode 100644
+"""
+
+
+def _series(tmp_path: Path, value: int) -> Series:
+    d = tmp_path / "patches"
+    d.mkdir()
+    (d / "add-a-thing.patch").write_text(PATCH.format(value=value))
+    (d / "series").write_text("add-a-thing.patch\n")
+    return Series(d)
+
+
+def test_only_created_test_files_are_listed(tmp_path):
+    assert _series(tmp_path, 3).added_tests() == ["tests/unit/test_thing.py"]  # not a changed test, not a helper
+
+
+def _fork(tmp_path: Path, value: int) -> Path:
+    """A repository whose manifest names one fork, with the series' files laid out as if applied."""
+    root = tmp_path / "repo"
+    (root / "third_party" / "patches").mkdir(parents=True)
+    series = _series(tmp_path, value)
+    series.dir.rename(root / "third_party" / "patches" / "thing")
+    tree = root / "third_party" / "thing"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "thing.py").write_text("VALUE = 3\n")
+    (tree / "tests" / "unit").mkdir(parents=True)
+    (tree / "tests" / "unit" / "test_thing.py").write_text(
+        f"def test_value():\n    from pkg.thing import VALUE\n    assert VALUE == {value}\n")
+    (root / "third_party" / "forks.toml").write_text(
+        'schema = 1\n[forks.thing]\npath = "third_party/thing"\nurl = "https://example.invalid/thing.git"\n'
+        'ref = "v1"\ncommit = "' + "0" * 40 + '"\npatches = "third_party/patches/thing"\ndistribution = "thing"\n'
+        'profiles = ["cpu"]\n')
+    return root
+
+
+def _run(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.forks", "--root", str(root), "test", "thing"],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_the_command_runs_them_in_the_fork_and_fails_with_them(tmp_path):
+    good = _run(_fork(tmp_path / "a", 3))
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "1 test file(s) of the series" in good.stdout and "1 passed" in good.stdout
+    bad = _run(_fork(tmp_path / "b", 4))  # the fork's test asserts a value the tree does not have
+    assert bad.returncode == 1 and "1 failed" in bad.stdout
