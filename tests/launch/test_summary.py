@@ -71,11 +71,19 @@ def test_cpu_ranks_are_ray_cpus_next_to_the_trainer_task():
     assert plan.cpus_arg(a3) == ()
 
 
-def test_hf_rollout_holds_every_expert():
-    cfg = config.load(CONFIGS / "cpu-tiny.yaml").cfg
-    dims = Dims.from_hf(config.model_dims(config.load(CONFIGS / "cpu-tiny.yaml"))[0])
-    names = {c.name: c for c in preflight.rollout_checks(layout.from_config(cfg), dims)}
-    assert names["rollout holds every expert"].ok and "rollout EP spans an instance" not in names
-    bad = config.load(CONFIGS / "cpu-tiny.yaml", ["recipe.rollout.expert_parallel_size=2"]).cfg
-    checks = {c.name: c for c in preflight.rollout_checks(layout.from_config(bad), dims)}
-    assert not checks["rollout holds every expert"].ok
+def _rollout_checks(overrides=()):
+    loaded = config.load(CONFIGS / "cpu-tiny.yaml", list(overrides))
+    dims = Dims.from_hf(config.model_dims(loaded)[0])
+    return {c.name: c for c in preflight.rollout_checks(layout.from_config(loaded.cfg), dims)}
+
+
+def test_the_rollout_expert_checks_follow_the_engine():
+    from tools.launch.smoke import ROLLOUTS
+
+    vllm = _rollout_checks()  # cpu-tiny: vLLM's EP spans an instance's DP2 x TP1
+    assert vllm["rollout EP spans an instance"].ok and "rollout holds every expert" not in vllm
+    assert not _rollout_checks(["recipe.rollout.expert_parallel_size=1"])["rollout EP spans an instance"].ok
+    hf = _rollout_checks(ROLLOUTS["hf"])  # the HF engine: every expert on every rank
+    assert hf["rollout holds every expert"].ok and "rollout EP spans an instance" not in hf
+    hf_ep2 = _rollout_checks([*ROLLOUTS["hf"], "recipe.rollout.expert_parallel_size=2"])
+    assert not hf_ep2["rollout holds every expert"].ok
