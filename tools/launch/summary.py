@@ -75,24 +75,21 @@ def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> li
 
 
 def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
-    """The summary as text: a rich table of the main columns, then where the run's files are."""
+    """The summary as text: a rich table of the main columns, one of the checks a path logs, then where the run's
+    files are."""
     from rich.console import Console
-    from rich.table import Table
 
     columns = ["step", "reward mean", "response length", "step time (s)", "system TPS per card",
                "system TPS per die", "rollout time (s)", "ref time (s)", "update time (s)"]
-    # what only some paths log: the A3 path's reshard and offload phases (0 elsewhere), the log-prob drift and the sync
-    # check (absent elsewhere)
+    # the A3 path's reshard and offload phases (0 elsewhere)
     columns += [c for c in ("reshard time (s)", "offload time (s)") if any(r.get(c, 0) for r in rows)]
-    columns += [name for name, _ in OPTIONAL_COLUMNS if any(name in r for r in rows)]
-    t = Table(title=f"run summary: {len(rows)} step(s)")
-    for c in columns:
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(*[_cell(r.get(c, math.nan)) for c in columns])
+    # what only some paths log (the log-prob drift, the sync check, the KV cache), in a second table of checks
+    checks = ["step"] + [name for name, _ in OPTIONAL_COLUMNS if any(name in r for r in rows)]
     console = Console(width=240, record=True, force_terminal=False)
     with console.capture() as cap:
-        console.print(t)
+        console.print(_table(f"run summary: {len(rows)} step(s)", columns, rows))
+        if len(checks) > 1:
+            console.print(_table("checks per step", checks, rows))
     lines = [cap.get().rstrip()]
     rewards = [r["reward mean"] for r in rows if not math.isnan(r["reward mean"])]
     if len(rewards) >= 2:
@@ -100,6 +97,17 @@ def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
     lines += [f"logs: {run_dir}/ (trainer.log, config.yaml, verl.yaml, summary.json)",
               f"tensorboard: tensorboard --logdir {tb_dir}"]
     return "\n".join(lines) + "\n"
+
+
+def _table(title: str, columns: list[str], rows: list[dict[str, float]]):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(*[_cell(r.get(c, math.nan)) for c in columns])
+    return t
 
 
 def _cell(v) -> str:
