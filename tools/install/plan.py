@@ -9,11 +9,13 @@ requirements that meet in one place (requirements/<profile>.in + .lock).
 from __future__ import annotations
 
 import hashlib
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.forks.manifest import Fork, Manifest
+from tools.install.wheels import WheelBuild, default_cache
 
 # The builds run without isolation (the build must see the installed torch, and pip must not fetch
 # a CUDA torch for vLLM's build-system table); these are the tools those builds import.
@@ -24,6 +26,12 @@ BUILD_TOOLS = ("setuptools>=77.0.3,<80", "setuptools-scm>=8", "wheel", "packagin
 A3_SOC_VERSION = "ascend910_9391"
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 MIN_FREE_GIB = {"npu": 30, "cuda": 30, "cpu": 10}
+# vLLM's CPU kernels, built from the patched fork (cpu profile). The AVX512 path fetches oneDNN from
+# GitHub at configure time; the AVX2 path fetches nothing, so it builds where only PyPI is reachable.
+# CMake >= 3.26 comes from the build-tools step (Debian 12 has 3.25), hence the venv's bin on PATH.
+VLLM_CPU_FLAGS = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_DISABLE_AVX512": "true"}
+VLLM_CPU_HEADERS = (("numa.h", "apt-get install libnuma-dev"),)
+VLLM_CPU_BUILD_TIME = "5 to 8 minutes on 2 cores"
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,7 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
     inputs: tuple[str, ...] = ()  # what else decides whether the step must run again
     note: str = ""
+    wheel: WheelBuild | None = None  # kind "wheel": commands are (build into the cache, install from it)
 
     def stamp(self) -> str:
         h = hashlib.sha256()
@@ -58,6 +67,8 @@ class Context:
     index_options: tuple[str, ...] = ()  # pip's find-links / index settings, passed on to uv
     cann_present: bool = False
     build_tools: tuple[str, ...] = BUILD_TOOLS
+    wheel_cache: Path = field(default_factory=default_cache)  # built fork wheels, shared by every venv
+    jobs: int = field(default_factory=lambda: os.cpu_count() or 1)  # MAX_JOBS of the kernel builds
 
     @property
     def venv_python(self) -> str:
@@ -169,12 +180,7 @@ def build_plan(ctx: Context) -> list[Step]:
     if "mindspeed-llm" in forks:
         steps.append(_editable(ctx, forks["mindspeed-llm"]))
     if "vllm" in forks:
-        env = {"SETUPTOOLS_SCM_PRETEND_VERSION": _version(forks["vllm"])}
-        if ctx.device in ("npu", "cpu"):
-            env["VLLM_TARGET_DEVICE"] = "empty"  # never compile vLLM's CPU or CUDA kernels here
-        else:
-            env["VLLM_USE_PRECOMPILED"] = "1"  # our series touches Python only: reuse upstream kernels
-        steps.append(_editable(ctx, forks["vllm"], env))
+        steps += vllm_steps(ctx, forks["vllm"])
     if "vllm-ascend" in forks:
         env = {
             "SETUPTOOLS_SCM_PRETEND_VERSION": _version(forks["vllm-ascend"]),
@@ -192,6 +198,48 @@ def build_plan(ctx: Context) -> list[Step]:
     steps.append(Step("smoke", "import every installed fork; write stack.json", kind="smoke",
                       inputs=tuple(s.stamp() for s in steps)))
     return steps
+
+
+def vllm_steps(ctx: Context, fork: Fork) -> list[Step]:
+    """npu: Python only (vLLM-Ascend brings the kernels); cuda: upstream's precompiled kernels; cpu: the
+    CPU kernels compiled from the patched tree, once per wheel key."""
+    env = {"SETUPTOOLS_SCM_PRETEND_VERSION": _version(fork)}
+    if ctx.device == "npu":
+        env["VLLM_TARGET_DEVICE"] = "empty"  # never compile vLLM's CPU or CUDA kernels here
+        return [_editable(ctx, fork, env)]
+    if ctx.device == "cuda":
+        env["VLLM_USE_PRECOMPILED"] = "1"  # our series touches Python only: reuse upstream kernels
+        return [_editable(ctx, fork, env)]
+    build = vllm_cpu_wheel(ctx, fork)
+    cmd_env = {**build.flags, **env, "MAX_JOBS": str(ctx.jobs), "PATH": f"{ctx.venv / 'bin'}:$PATH"}
+    install = ("uv", "pip", "install", "--python", ctx.venv_python) if ctx.installer == "uv" else \
+        (ctx.venv_python, "-m", "pip", "install")
+    reinstall = ("--reinstall-package", build.name) if ctx.installer == "uv" else ("--force-reinstall",)
+    return [Step(
+        name=fork.name, kind="wheel", wheel=build, env=cmd_env, inputs=(*fork_inputs(ctx, fork), build.key),
+        title=f"{fork.name} ({fork.distribution}) with its CPU kernels: a wheel built from {fork.path},"
+              " cached by pin, series and torch",
+        commands=(wheel_command(ctx.venv_python, build),
+                  (*install, "--no-index", "--find-links", str(build.folder), "--no-deps", *reinstall, build.name)),
+        note=f"the wheel cache {ctx.wheel_cache} has it after the first build ({VLLM_CPU_BUILD_TIME}), so"
+             f" another venv or clone installs it in seconds; the build needs "
+             + ", ".join(f"{h} ({fix})" for h, fix in build.headers))]
+
+
+def vllm_cpu_wheel(ctx: Context, fork: Fork) -> WheelBuild:
+    """What the cpu profile's vLLM wheel is made of, and so its cache key."""
+    stack = ctx.manifest.stack.get(ctx.device, {})
+    flags = {**VLLM_CPU_FLAGS, "SETUPTOOLS_SCM_PRETEND_VERSION": _version(fork)}
+    return WheelBuild(name=fork.distribution, source=ctx.root / fork.path, flags=flags, cache_root=ctx.wheel_cache,
+                      key_parts=(*fork_inputs(ctx, fork), f"torch {stack['torch']}",
+                                 f"python {stack.get('python', '3.11')}", ctx.arch),
+                      headers=VLLM_CPU_HEADERS, duration=VLLM_CPU_BUILD_TIME)
+
+
+def wheel_command(python: str, build: WheelBuild) -> tuple[str, ...]:
+    """Build a fork's wheel into its cache folder (the runner builds into a temporary folder and renames)."""
+    return (python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--wheel-dir", str(build.folder),
+            str(build.source))
 
 
 def requirement_files(path: Path) -> list[Path]:
