@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tools.forks import manifest as manifest_mod
+from tools.forks import sources
 from tools.install import cli
 from tools.install import plan as plan_mod
 from tools.install.plan import Context, build_plan, render
@@ -25,11 +26,11 @@ def real_context(device: str, **kw) -> Context:
 
 
 def rendered(device: str, **kw) -> str:
-    """The dry run with what varies by machine or series written as placeholders: the repository and
-    the wheel key (a digest of the vllm series, which changes with every patch)."""
+    """The dry run with what varies by machine or series written as placeholders: the repository, the
+    download cache and the wheel key (a digest of the vllm series, which changes with every patch)."""
     ctx = real_context(device, **kw)
     steps = build_plan(ctx)
-    text = render(ctx, steps).replace(str(ROOT), "<root>")
+    text = render(ctx, steps).replace(str(ROOT), "<root>").replace(str(sources.cache_dir()), "<dists>")
     for step in steps:
         if step.wheel:
             text = text.replace(step.wheel.key, "<key>")
@@ -114,6 +115,41 @@ def test_npu_keeps_vllm_editable_without_kernels():
     assert vllm.env == {"SETUPTOOLS_SCM_PRETEND_VERSION": "0.9.1", "VLLM_TARGET_DEVICE": "empty"}
 
 
+def test_cuda_takes_vllm_kernels_from_the_pypi_wheel_of_the_pin():
+    order = _order("cuda")
+    assert order.index("vllm-kernels") == order.index("vllm") - 1
+    steps = _steps("cuda")
+    fetch, vllm = steps["vllm-kernels"], steps["vllm"]
+    assert fetch.kind == "fetch" and fetch.fetch.file.endswith("-cp38-abi3-manylinux1_x86_64.whl")
+    assert len(fetch.fetch.sha256) == 64
+    assert fetch.fetch.version == manifest_mod.load(ROOT).forks["vllm"].pypi.version, "kernels of another release"
+    assert vllm.env["VLLM_USE_PRECOMPILED"] == "1"
+    assert vllm.env["VLLM_PRECOMPILED_WHEEL_LOCATION"] == str(sources.cache_dir() / fetch.fetch.file)
+    assert "PyPI" in fetch.title and "wheelhouse" in _steps("cuda", wheelhouse=Path("/wh"))["vllm-kernels"].title
+
+
+def test_cuda_builds_transformer_engine_torch_against_the_installed_torch():
+    order = _order("cuda")
+    assert order.index("torch") < order.index("transformer-engine") < order.index("requirements")
+    te = _steps("cuda")["transformer-engine"]
+    pinned = plan_mod.requirement_pin(real_context("cuda"), "transformer-engine")
+    assert pinned == "2.3.0", "the TE verl 0.4's Megatron-core 0.12.1 images use"
+    assert te.commands[0][-1] == f"transformer_engine_torch=={pinned}"
+    assert "--no-build-isolation" in te.commands[0] and "--no-deps" in te.commands[0]
+    assert "transformer-engine" not in _order("cpu") and "transformer-engine" not in _order("npu")
+
+
+def test_requirement_pin_reads_included_files(tmp_path):
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements/common.in").write_text("Transformer_Engine [pytorch] == 9.1  # why\n")
+    (tmp_path / "requirements/cuda.in").write_text("-r common.in\ntransformer-engine-cu12==1.0\n")
+    ctx = Context(root=tmp_path, manifest=manifest_mod.load(ROOT), device="cuda", venv=tmp_path / "v",
+                  installer="uv", arch="x86_64")
+    assert plan_mod.requirement_pin(ctx, "transformer-engine") == "9.1"
+    assert plan_mod.requirement_pin(ctx, "transformer-engine-cu12") == "1.0"
+    assert plan_mod.requirement_pin(ctx, "numba") is None
+
+
 def test_cpu_and_cuda_leave_out_the_ascend_forks():
     for device in ("cpu", "cuda"):
         order = _order(device)
@@ -125,7 +161,7 @@ def test_cpu_and_cuda_leave_out_the_ascend_forks():
 
 
 def test_wheelhouse_makes_every_install_offline(tmp_path):
-    for device, arch in (("npu", "aarch64"), ("npu", "x86_64")):
+    for device, arch in (("npu", "aarch64"), ("npu", "x86_64"), ("cuda", "x86_64")):
         steps = [s for s in build_plan(real_context(device, arch=arch, wheelhouse=tmp_path)) if s.name != "venv"]
         for cmd in (cmd for step in steps for cmd in step.commands):
             assert "--no-index" in cmd and str(tmp_path) in cmd, cmd

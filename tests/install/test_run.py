@@ -235,3 +235,32 @@ def test_the_cache_location_follows_the_environment(tmp_path):
 
     assert wheels.default_cache({"RL_RECIPE_WHEEL_CACHE": str(tmp_path)}) == tmp_path
     assert wheels.default_cache({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "rl-recipe/wheels"
+
+
+# ---------------------------------------------------------------- fetch (cuda's vLLM kernels)
+
+
+def _fetch_step(pin):
+    from tools.install.plan import Step
+
+    return Step("vllm-kernels", "kernels", kind="fetch", fetch=pin)
+
+
+def test_fetch_takes_the_pinned_file_and_checks_its_sha256(fake_stack, tmp_path, monkeypatch):
+    import hashlib
+    from dataclasses import replace
+
+    from tools.forks.manifest import PyPISource
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    folder = tmp_path / "wheelhouse"
+    folder.mkdir()
+    (folder / "vllm-1.0-cp38-abi3-manylinux1_x86_64.whl").write_bytes(b"kernels")
+    pin = PyPISource("vllm==1.0", "vllm-1.0-cp38-abi3-manylinux1_x86_64.whl", hashlib.sha256(b"kernels").hexdigest())
+    ctx = replace(fake_stack.context(), wheelhouse=folder)
+    path = run_mod.fetch(ctx, _fetch_step(pin), lambda *a: None, "fetch")
+    assert path == tmp_path / "xdg/rl-recipe/dists" / pin.file and path.read_bytes() == b"kernels"
+    (path).unlink()
+    with pytest.raises(InstallError, match="sha256"):
+        run_mod.fetch(ctx, _fetch_step(replace(pin, sha256="0" * 64)), lambda *a: None, "fetch")
+    assert not path.exists(), "a file with the wrong digest is not kept"

@@ -65,3 +65,14 @@ def test_cross_platform_wheelhouse_downloads_binaries_for_the_target(fake_stack,
     assert "torch==9.9.9" in download and "-r" in download
     built = [c[-1] for c in cmds if "wheel" in c and "--no-deps" in c]
     assert built == [str(ctx.root / "third_party/verl")], "compiled forks (megatron, the cpu vllm) are built there"
+
+
+def test_cuda_wheelhouse_builds_transformer_engine_torch_before_the_requirements(tmp_path):
+    from tests.install.test_plan import real_context
+
+    cmds = wheelhouse.plan(real_context("cuda"), wheelhouse.Target(tmp_path, None, "3.11"))
+    torch = next(i for i, c in enumerate(cmds) if c[-1] == "torch==2.7.0" and "install" in c)
+    te = next(i for i, c in enumerate(cmds) if c[-1] == "transformer_engine_torch==2.3.0")
+    reqs = next(i for i, c in enumerate(cmds) if "-r" in c)
+    assert torch < te < reqs and "--no-build-isolation" in cmds[te]
+    assert cmds[reqs][cmds[reqs].index("--find-links") + 1] == str(tmp_path), "the built TE wheel, not its sdist"

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.forks.manifest import Fork, Manifest
+from tools.forks.manifest import Fork, Manifest, PyPISource
 from tools.install.wheels import WheelBuild, default_cache
 
 # The builds run without isolation (the build must see the installed torch, and pip must not fetch
@@ -32,6 +33,13 @@ MIN_FREE_GIB = {"npu": 30, "cuda": 30, "cpu": 10}
 VLLM_CPU_FLAGS = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_DISABLE_AVX512": "true"}
 VLLM_CPU_HEADERS = (("numa.h", "apt-get install libnuma-dev"),)
 VLLM_CPU_BUILD_TIME = "5 to 8 minutes on 2 cores"
+# vLLM's CUDA kernels for the cuda profile: the PyPI wheel of the release the fork is pinned at (built
+# for torch 2.7.0, the profile's torch). VLLM_USE_PRECOMPILED=1 alone downloads them from
+# wheels.vllm.ai by the fork's merge base with upstream main, a host clusters often cannot reach.
+VLLM_CUDA_KERNELS = PyPISource(
+    requirement="vllm==0.9.1", file="vllm-0.9.1-cp38-abi3-manylinux1_x86_64.whl",
+    sha256="28b99e8df39c7aaeda04f7e5353b18564a1a9d1c579691945523fc4777a1a8c8",
+    note="only its compiled kernels are used; the Python code is our fork's")
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class Step:
     inputs: tuple[str, ...] = ()  # what else decides whether the step must run again
     note: str = ""
     wheel: WheelBuild | None = None  # kind "wheel": commands are (build into the cache, install from it)
+    fetch: PyPISource | None = None  # kind "fetch": a sha256-pinned file brought into the download cache
 
     def stamp(self) -> str:
         h = hashlib.sha256()
@@ -190,6 +199,9 @@ def build_plan(ctx: Context) -> list[Step]:
         steps.append(_editable(ctx, forks["vllm-ascend"], env))
     if "verl" in forks:
         steps.append(_editable(ctx, forks["verl"]))
+    te = transformer_engine_step(ctx)
+    if te:
+        steps.append(te)
     req = requirement_args(ctx)
     files = [Path(a) for a in req if not a.startswith("-")]
     steps.append(Step("requirements", "pinned requirements (" + " + ".join(f.name for f in files) + ")",
@@ -201,15 +213,21 @@ def build_plan(ctx: Context) -> list[Step]:
 
 
 def vllm_steps(ctx: Context, fork: Fork) -> list[Step]:
-    """npu: Python only (vLLM-Ascend brings the kernels); cuda: upstream's precompiled kernels; cpu: the
-    CPU kernels compiled from the patched tree, once per wheel key."""
+    """npu: Python only (vLLM-Ascend brings the kernels); cuda: upstream's kernels from the PyPI wheel
+    of the pinned release; cpu: the CPU kernels compiled from the patched tree, once per wheel key."""
     env = {"SETUPTOOLS_SCM_PRETEND_VERSION": _version(fork)}
     if ctx.device == "npu":
         env["VLLM_TARGET_DEVICE"] = "empty"  # never compile vLLM's CPU or CUDA kernels here
         return [_editable(ctx, fork, env)]
     if ctx.device == "cuda":
-        env["VLLM_USE_PRECOMPILED"] = "1"  # our series touches Python only: reuse upstream kernels
-        return [_editable(ctx, fork, env)]
+        kernels = cuda_kernels_path()
+        env.update({"VLLM_USE_PRECOMPILED": "1", "VLLM_PRECOMPILED_WHEEL_LOCATION": str(kernels)})
+        fetch = Step("vllm-kernels", f"{VLLM_CUDA_KERNELS.file} ({VLLM_CUDA_KERNELS.requirement} from"
+                     f" {'the wheelhouse' if ctx.wheelhouse else 'PyPI'}, sha256-checked)", kind="fetch",
+                     fetch=VLLM_CUDA_KERNELS, inputs=(VLLM_CUDA_KERNELS.sha256,),
+                     note=f"into {kernels}; our series touches Python only, so the vllm step takes the"
+                          " compiled kernels from this wheel instead of wheels.vllm.ai")
+        return [fetch, _editable(ctx, fork, env)]
     build = vllm_cpu_wheel(ctx, fork)
     cmd_env = {**build.flags, **env, "MAX_JOBS": str(ctx.jobs), "PATH": f"{ctx.venv / 'bin'}:$PATH"}
     install = ("uv", "pip", "install", "--python", ctx.venv_python) if ctx.installer == "uv" else \
@@ -242,6 +260,38 @@ def wheel_command(python: str, build: WheelBuild) -> tuple[str, ...]:
             str(build.source))
 
 
+def cuda_kernels_path() -> Path:
+    from tools.forks import sources
+
+    return sources.cache_dir() / VLLM_CUDA_KERNELS.file
+
+
+def requirement_pin(ctx: Context, name: str) -> str | None:
+    """The version a profile's requirement files pin `name` at (`name[extras]==V`), or None."""
+    norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731  (PEP 503 names)
+    pattern = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*==\s*([^\s;#]+)")
+    for path in requirement_files(ctx.root / "requirements" / f"{ctx.device}.in"):
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            match = pattern.match(line)
+            if match and norm(match.group(1)) == norm(name):
+                return match.group(3)
+    return None
+
+
+def transformer_engine_step(ctx: Context) -> Step | None:
+    """Transformer Engine's torch extension, where the profile's requirements ask for TE: PyPI has it only
+    as an sdist that compiles against the installed torch (and the CUDA toolkit), so it is built here
+    without isolation; the requirements step then finds it installed and takes the rest as wheels."""
+    version = requirement_pin(ctx, "transformer-engine")
+    if version is None:
+        return None
+    return Step("transformer-engine", f"transformer_engine_torch=={version}, built against the installed torch",
+                commands=(_install(ctx, "--no-deps", f"transformer_engine_torch=={version}"),),
+                env={"NVTE_FRAMEWORK": "pytorch", "MAX_JOBS": str(ctx.jobs)},
+                note=f"transformer-engine[pytorch]=={version} in requirements/{ctx.device}.in; its other parts"
+                     " (transformer-engine, transformer-engine-cu12) are wheels")
+
+
 def requirement_files(path: Path) -> list[Path]:
     """A requirements file and every file it includes with -r or -c, recursively."""
     found = [path]
@@ -268,6 +318,8 @@ def render(ctx: Context, steps: list[Step]) -> str:
         lines.append(f"[{i}/{len(steps)}] {step.name}: {step.title}")
         for key, value in sorted(step.env.items()):
             lines.append(f"    env {key}={value}")
+        if step.fetch:
+            lines.append(f"    fetch {step.fetch.file} sha256={step.fetch.sha256}")
         for cmd in step.commands:
             lines.append(f"    $ {shlex.join(cmd)}")
         if step.note:

@@ -16,10 +16,10 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tools.forks import ops
+from tools.forks import ops, sources
 from tools.install import wheels
 from tools.install.plan import MIN_FREE_GIB, Context, Step
 
@@ -145,6 +145,8 @@ def execute(ctx: Context, steps: list[Step], force: bool = False, say=print) -> 
             _run_preflight(ctx, say, label)
         elif step.kind == "forks":
             sync_and_apply(ctx, say, label)
+        elif step.kind == "fetch":  # always: the file must be in the cache for the steps that read it
+            fetch(ctx, step, say, label)
         elif not force and _done(ctx, step, stamp):
             say(f"{label}: up to date")
             outcome[step.name] = "skipped"
@@ -155,7 +157,7 @@ def execute(ctx: Context, steps: list[Step], force: bool = False, say=print) -> 
             _run_wheel(ctx, step, say, label)
         else:
             _run_shell(ctx, step, say, label)
-        if step.kind not in ("preflight", "forks"):
+        if step.kind not in ("preflight", "forks", "fetch"):
             _mark(ctx, step, stamp)
         outcome[step.name] = "ran"
     return outcome
@@ -188,6 +190,25 @@ def step_env(step: Step) -> dict[str, str]:
     """The process environment of a step: os.environ plus the step's, `$PATH` in a value expanded."""
     path = os.environ.get("PATH", "")
     return {**os.environ, **{k: v.replace("$PATH", path) for k, v in step.env.items()}}
+
+
+def fetch(ctx: Context, step: Step, say, label: str) -> Path:
+    """A sha256-pinned file from the wheelhouse or the index into the download cache (tools.forks's)."""
+    pin = step.fetch
+    assert pin is not None
+    holder = next(f for f in ctx.manifest.forks.values() if f.distribution == pin.name)
+    fork = replace(holder, pypi=pin)
+    indexes = [os.environ.get("PIP_INDEX_URL") or sources.DEFAULT_INDEX]
+    try:
+        cached = sources.cache_dir() / pin.file
+        if not (cached.is_file() and sources._sha256(cached) == pin.sha256):
+            say(f"{label}: downloading {pin.file}")
+        path = sources.download(fork, sources.find_distribution(fork, indexes, [ctx.wheelhouse] if ctx.wheelhouse
+                                                                 else []))
+    except sources.SourceError as exc:
+        raise InstallError(f"step {step.name}: {exc}") from None
+    say(f"{label}: {path} (sha256 ok)")
+    return path
 
 
 def _run_wheel(ctx: Context, step: Step, say, label: str) -> None:

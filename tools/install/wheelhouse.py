@@ -6,9 +6,10 @@ the wheels of every requirement, the pinned fork distributions (so `tools.forks 
 and wheels built from the patched forks (to install the stack without this repository).
 
 The fork wheels are built in a throwaway environment that has the build tools and the profile's
-torch (vLLM's setup.py imports torch). The cpu profile's vLLM wheel is the CPU-kernel build, taken
-from the wheel cache (built there first when missing); wheelhouse.json records its key, so
-`install --wheelhouse` on another machine installs that wheel instead of compiling.
+torch (vLLM's and Transformer Engine's setup.py import torch). The cpu profile's vLLM wheel is the
+CPU-kernel build, taken from the wheel cache (built there first when missing); wheelhouse.json
+records its key, so `install --wheelhouse` on another machine installs that wheel instead of
+compiling. For cuda the wheelhouse also holds the PyPI vLLM wheel whose kernels the vllm step uses.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tools.install.plan import (
     torch_requirements,
     venv_command,
 )
-from tools.install.run import InstallError, sync_and_apply
+from tools.install.run import InstallError, fetch, sync_and_apply
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ def plan(ctx: Context, target: Target) -> list[tuple[str, ...]]:
     cmds.append((*pip, "install", *(("--extra-index-url", PYTORCH_CPU_INDEX) if any("+cpu" in r for r in host_torch)
                                     else ()), *host_torch))
     steps = {s.name: s for s in build_plan(ctx)}
+    te = steps.get("transformer-engine")
+    if te and not target.cross():  # an sdist that compiles against torch: built here, then found by the next one
+        cmds.append((*pip, "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", dest, te.commands[0][-1]))
     if target.cross():
         cmds.append((*pip, "download", "--dest", dest, "--only-binary=:all:", "--platform", target.platform,
                      "--python-version", target.python_version, "--implementation", "cp", *extra, *reqs))
@@ -93,6 +97,9 @@ def build(ctx: Context, target: Target, commands: list[tuple[str, ...]]) -> Path
     target.dest.mkdir(parents=True, exist_ok=True)
     sync_and_apply(ctx, print, "forks")  # the fork wheels are built from the patched trees
     steps = build_plan(ctx)
+    for step in steps:  # files the fork builds read (cuda: the vLLM wheel with the kernels), kept in DEST too
+        if step.kind == "fetch":
+            shutil.copy(fetch(ctx, step, print, step.name), target.dest / step.fetch.file)
     bin_dir = build_env(target) / "bin"
     env_by_fork = {str(ctx.root / f.path): _fork_env(steps, f.name, bin_dir)
                    for f in ctx.manifest.select(profile=ctx.device)}
