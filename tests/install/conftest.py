@@ -1,6 +1,7 @@
 """A fake stack: three tiny forks (verl, vllm, megatron-core) in real git repositories, a fake torch
 and a fake dependency as wheels in a local folder. Their builds append their names to a log, so
-tests see the order in which the installer built them; FAKE_FAIL=<fork> makes that build fail."""
+tests see the order in which the installer built them; FAKE_FAIL=<fork> makes that build fail. The
+cpu profile builds vllm into a wheel: the fake one goes to a wheel cache under the test's tmp_path."""
 
 from __future__ import annotations
 
@@ -63,13 +64,15 @@ class FakeStack:
     root: Path
     links: Path  # find-links folder: fake torch and fakedep
     log: Path
+    wheel_cache: Path  # the cpu profile's vllm step builds its wheel here
 
     def context(self, **kw) -> Context:
         installer = kw.pop("installer", "uv" if shutil.which("uv") else "pip")
         return Context(root=self.root, manifest=manifest_mod.load(self.root), device="cpu",
                        venv=kw.pop("venv", self.root / ".venv"), installer=installer, arch="x86_64",
                        python=kw.pop("python", sys.executable), build_tools=(),
-                       index_options=kw.pop("index_options", ("--no-index", "--find-links", str(self.links))), **kw)
+                       index_options=kw.pop("index_options", ("--no-index", "--find-links", str(self.links))),
+                       wheel_cache=kw.pop("wheel_cache", self.wheel_cache), jobs=2, **kw)
 
     def order(self) -> list[str]:
         names = self.log.read_text().split() if self.log.exists() else []
@@ -110,4 +113,5 @@ def fake_stack(tmp_path, monkeypatch) -> FakeStack:
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(links))
     monkeypatch.delenv("FAKE_FAIL", raising=False)
-    return FakeStack(root, links, log)
+    monkeypatch.setenv("RL_RECIPE_WHEEL_CACHE", str(tmp_path / "wheel-cache"))  # never the user's cache
+    return FakeStack(root, links, log, tmp_path / "wheel-cache")

@@ -1,8 +1,9 @@
 """`install --device cpu` on the real forks from PyPI, in a scratch copy of the repository.
 
-The acceptance run of the install issue: verl (with our series), vLLM 0.9.1+empty and megatron.core
-import from the new environment, stack.json records the commits, and a second run does nothing.
-Skipped, saying why, when the package index cannot be reached.
+The acceptance run of the install issue: verl (with our series), vLLM 0.9.1+cpu (the CPU kernels
+built from our fork; from the wheel cache after the first build, about 5 minutes) and megatron.core
+import from the new environment, vLLM's platform is cpu, stack.json records the commits, and a
+second run does nothing. Skipped, saying why, when the package index cannot be reached.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def test_cpu_install_of_the_real_stack(tmp_path, capsys):
     assert install_main(args) == 0, capsys.readouterr().err
     python = root / ".venv/bin/python"
     probe = ("import verl, vllm, megatron.core, importlib.metadata as m;"
-             "print(m.version('vllm'), m.version('verl'), m.version('megatron-core'))")
-    versions = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True,
-                              env={"VLLM_PLUGINS": "none", "PATH": "/usr/bin:/bin"}).stdout.split()
-    assert versions[-3:] == ["0.9.1+empty", "0.4.0", "0.12.1"]
+             "from vllm.platforms import current_platform;"
+             "print(m.version('vllm'), m.version('verl'), m.version('megatron-core'), current_platform.device_type)")
+    env = {"VLLM_PLUGINS": "none", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    versions = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path,
+                              env=env).stdout.split()
+    assert versions[-4:] == ["0.9.1+cpu", "0.4.0", "0.12.1", "cpu"]
 
     stack = json.loads((root / ".venv/stack.json").read_text())
     for name in ("verl", "vllm", "megatron"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -152,3 +153,114 @@ def test_a_change_in_an_included_requirements_file_reruns_the_requirements_step(
     (reqs / "common.in").write_text("fakedep==1.0  # a comment is a change too\n")
     _, outcome = install(fake_stack)
     assert outcome["requirements"] == "ran" and outcome["verl"] == "skipped"
+
+
+# ---------------------------------------------------------------- the wheel cache (cpu vllm)
+
+
+def test_cpu_vllm_is_installed_from_its_built_wheel_not_editable(fake_stack):
+    ctx, _ = install(fake_stack)
+    vllm = next(s for s in build_plan(ctx) if s.name == "vllm")
+    assert [p.name for p in vllm.wheel.folder.glob("*.whl")] == ["vllm-1.0-py3-none-any.whl"]
+    probe = ("import vllm, importlib.metadata as m; print(vllm.__file__);"
+             "print(m.distribution('vllm').read_text('direct_url.json'))")
+    out = subprocess.run([ctx.venv_python, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert str(ctx.venv) in out.splitlines()[0], "vllm imports from the venv, not from the fork tree"
+    assert '"editable": true' not in out
+
+
+def test_a_new_venv_takes_the_wheel_from_the_cache_and_builds_nothing(fake_stack, tmp_path):
+    install(fake_stack)
+    assert "vllm" in fake_stack.order()
+    fake_stack.log.unlink()
+    said = []
+    ctx = fake_stack.context(venv=tmp_path / "second-venv")
+    outcome = execute(ctx, build_plan(ctx), say=said.append)
+    assert outcome["vllm"] == "ran"
+    assert "vllm" not in fake_stack.order(), "the cached wheel is installed, not rebuilt"
+    assert any("from the wheel cache" in line and "not built" in line for line in said)
+
+
+def test_a_series_change_builds_a_new_wheel_under_a_new_key(fake_stack):
+    ctx, _ = install(fake_stack)
+    old = next(s for s in build_plan(ctx) if s.name == "vllm").wheel
+    commit(ctx.root / "third_party/vllm", {"vllm/patched.py": "X = 1\n"}, "Add a patched module", "Needed.")
+    from tools.forks.cli import main
+
+    assert main(["--root", str(ctx.root), "export", "vllm"]) == 0
+    fake_stack.log.unlink()
+    said = []
+    execute(ctx, build_plan(ctx), say=said.append)
+    new = next(s for s in build_plan(ctx) if s.name == "vllm").wheel
+    assert new.key != old.key and fake_stack.order() == ["vllm", "verl"]
+    assert any("building vllm's wheel" in line for line in said)
+    out = subprocess.run([ctx.venv_python, "-c", "import vllm.patched; print(vllm.patched.X)"],
+                         capture_output=True, text=True, cwd=ctx.venv).stdout
+    assert out.strip() == "1", "the rebuilt wheel (same version) replaced the installed one"
+    assert old.folder.is_dir() and new.folder.is_dir()
+
+
+def test_an_interrupted_build_leaves_no_wheel_in_the_cache(fake_stack, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL", "vllm")
+    with pytest.raises(InstallError, match="building vllm failed"):
+        install(fake_stack)
+    assert list(fake_stack.wheel_cache.iterdir()) == [], "no finished folder, no temporary one"
+    monkeypatch.delenv("FAKE_FAIL")
+    _, outcome = install(fake_stack)
+    assert outcome["vllm"] == "ran" and outcome["megatron"] == "skipped"
+    assert [p.name for p in fake_stack.wheel_cache.iterdir()] == [
+        next(s for s in build_plan(fake_stack.context()) if s.name == "vllm").wheel.folder.name]
+
+
+def test_a_missing_header_fails_before_building_and_names_the_fix(fake_stack, monkeypatch):
+    from tools.install import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "VLLM_CPU_HEADERS", (("rl_recipe_no_such_header.h", "apt-get install libnuma-dev"),))
+    with pytest.raises(InstallError) as err:
+        install(fake_stack)
+    assert "rl_recipe_no_such_header.h" in str(err.value) and "apt-get install libnuma-dev" in str(err.value)
+    assert "vllm" not in fake_stack.order(), "nothing was compiled"
+
+
+def test_missing_headers_asks_the_compiler():
+    from tools.install import wheels
+
+    assert wheels.missing_headers((("stdio.h", "fix"),)) == []
+    assert wheels.missing_headers((("rl_recipe_no_such_header.h", "the fix"),)) == [
+        ("rl_recipe_no_such_header.h", "the fix")]
+
+
+def test_the_cache_location_follows_the_environment(tmp_path):
+    from tools.install import wheels
+
+    assert wheels.default_cache({"RL_RECIPE_WHEEL_CACHE": str(tmp_path)}) == tmp_path
+    assert wheels.default_cache({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "rl-recipe/wheels"
+
+
+# ---------------------------------------------------------------- fetch (cuda's vLLM kernels)
+
+
+def _fetch_step(pin):
+    from tools.install.plan import Step
+
+    return Step("vllm-kernels", "kernels", kind="fetch", fetch=pin)
+
+
+def test_fetch_takes_the_pinned_file_and_checks_its_sha256(fake_stack, tmp_path, monkeypatch):
+    import hashlib
+    from dataclasses import replace
+
+    from tools.forks.manifest import PyPISource
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    folder = tmp_path / "wheelhouse"
+    folder.mkdir()
+    (folder / "vllm-1.0-cp38-abi3-manylinux1_x86_64.whl").write_bytes(b"kernels")
+    pin = PyPISource("vllm==1.0", "vllm-1.0-cp38-abi3-manylinux1_x86_64.whl", hashlib.sha256(b"kernels").hexdigest())
+    ctx = replace(fake_stack.context(), wheelhouse=folder)
+    path = run_mod.fetch(ctx, _fetch_step(pin), lambda *a: None, "fetch")
+    assert path == tmp_path / "xdg/rl-recipe/dists" / pin.file and path.read_bytes() == b"kernels"
+    (path).unlink()
+    with pytest.raises(InstallError, match="sha256"):
+        run_mod.fetch(ctx, _fetch_step(replace(pin, sha256="0" * 64)), lambda *a: None, "fetch")
+    assert not path.exists(), "a file with the wrong digest is not kept"

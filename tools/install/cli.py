@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 from tools.forks.manifest import PROFILES, ManifestError, find_root, load
 from tools.install import plan as plan_mod
 from tools.install import wheelhouse as wheelhouse_mod
+from tools.install import wheels
 from tools.install.run import InstallError, cann_home, execute
 
 DESCRIPTION = """\
@@ -30,6 +32,12 @@ have not changed, so a rerun is a no-op and a failed run resumes at the failed s
   python -m tools.install --device npu --dry-run
   python -m tools.install wheelhouse --device npu --dest wheels/ --platform manylinux_2_28_aarch64
   python -m tools.install --device npu --wheelhouse wheels/      # no network at all
+
+The cpu profile compiles vLLM's CPU kernels from the patched fork (needs numa.h: apt-get install
+libnuma-dev; about 5 minutes on 2 cores). The wheel is kept in a cache outside the venv, keyed by
+the vLLM pin, its series digest, torch, Python and the build flags, so another venv or a fresh clone
+on the same machine installs it in seconds: --wheel-cache DIR, else $RL_RECIPE_WHEEL_CACHE, else
+~/.cache/rl-recipe/wheels. Deleting that folder only costs a rebuild.
 
 Exit codes: 0 ok, 2 a step failed (the message names it and its log).
 """
@@ -83,13 +91,16 @@ LOCK_HEADER = """\
 
 
 def write_lock(ctx: plan_mod.Context) -> Path:
-    """requirements/<device>.lock from what is installed in the environment (forks and torch left out)."""
+    """requirements/<device>.lock from what is installed in the environment (forks and torch left out;
+    a fork installed from its built wheel, like the cpu profile's vLLM, is not editable, hence by name)."""
     proc = subprocess.run([ctx.venv_python, "-m", "pip", "freeze", "--exclude-editable"],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise InstallError(f"lock: cannot read {ctx.venv}: {proc.stderr.strip()[-300:]}; install first")
+    norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+    left_out = {norm(n) for n in ("torch", "torch-npu")} | {norm(f.distribution) for f in ctx.manifest.forks.values()}
     pins = sorted((line for line in proc.stdout.splitlines()
-                   if "==" in line and not line.lower().startswith(("torch==", "torch-npu==", "torch_npu=="))),
+                   if "==" in line and norm(line.split("==")[0].split(" @ ")[0].strip()) not in left_out),
                   key=str.lower)
     path = ctx.root / "requirements" / f"{ctx.device}.lock"
     tmp = path.with_suffix(".tmp")
@@ -114,6 +125,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dest", type=Path, help="wheelhouse: folder to fill")
     p.add_argument("--platform", help="wheelhouse: target platform tag, e.g. manylinux_2_28_aarch64")
     p.add_argument("--python-version", default=None, help="wheelhouse: target Python (default: the stack's)")
+    p.add_argument("--wheel-cache", type=Path,
+                   help="where built fork wheels are kept across venvs and clones (default: $RL_RECIPE_WHEEL_CACHE,"
+                        " else ~/.cache/rl-recipe/wheels)")
     p.add_argument("--force", action="store_true", help="run every step even when its stamp is current")
     p.add_argument("--dry-run", action="store_true", help="print the plan with commands and environment")
     p.add_argument("--root", type=Path, help="repository root (default: found above the current directory)")
@@ -141,6 +155,7 @@ def context(args) -> plan_mod.Context:
         wheelhouse=args.wheelhouse.resolve() if args.wheelhouse else None,
         index_options=pip_index_options() if installer == "uv" and not args.dry_run else (),
         cann_present=cann_home(dict(os.environ)) is not None,
+        wheel_cache=args.wheel_cache.expanduser().resolve() if args.wheel_cache else wheels.default_cache(),
     )
 
 

@@ -9,11 +9,14 @@ requirements that meet in one place (requirements/<profile>.in + .lock).
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.forks.manifest import Fork, Manifest
+from tools.forks.manifest import Fork, Manifest, PyPISource
+from tools.install.wheels import WheelBuild, default_cache
 
 # The builds run without isolation (the build must see the installed torch, and pip must not fetch
 # a CUDA torch for vLLM's build-system table); these are the tools those builds import.
@@ -24,6 +27,19 @@ BUILD_TOOLS = ("setuptools>=77.0.3,<80", "setuptools-scm>=8", "wheel", "packagin
 A3_SOC_VERSION = "ascend910_9391"
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 MIN_FREE_GIB = {"npu": 30, "cuda": 30, "cpu": 10}
+# vLLM's CPU kernels, built from the patched fork (cpu profile). The AVX512 path fetches oneDNN from
+# GitHub at configure time; the AVX2 path fetches nothing, so it builds where only PyPI is reachable.
+# CMake >= 3.26 comes from the build-tools step (Debian 12 has 3.25), hence the venv's bin on PATH.
+VLLM_CPU_FLAGS = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_DISABLE_AVX512": "true"}
+VLLM_CPU_HEADERS = (("numa.h", "apt-get install libnuma-dev"),)
+VLLM_CPU_BUILD_TIME = "5 to 8 minutes on 2 cores"
+# vLLM's CUDA kernels for the cuda profile: the PyPI wheel of the release the fork is pinned at (built
+# for torch 2.7.0, the profile's torch). VLLM_USE_PRECOMPILED=1 alone downloads them from
+# wheels.vllm.ai by the fork's merge base with upstream main, a host clusters often cannot reach.
+VLLM_CUDA_KERNELS = PyPISource(
+    requirement="vllm==0.9.1", file="vllm-0.9.1-cp38-abi3-manylinux1_x86_64.whl",
+    sha256="28b99e8df39c7aaeda04f7e5353b18564a1a9d1c579691945523fc4777a1a8c8",
+    note="only its compiled kernels are used; the Python code is our fork's")
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,8 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
     inputs: tuple[str, ...] = ()  # what else decides whether the step must run again
     note: str = ""
+    wheel: WheelBuild | None = None  # kind "wheel": commands are (build into the cache, install from it)
+    fetch: PyPISource | None = None  # kind "fetch": a sha256-pinned file brought into the download cache
 
     def stamp(self) -> str:
         h = hashlib.sha256()
@@ -58,6 +76,8 @@ class Context:
     index_options: tuple[str, ...] = ()  # pip's find-links / index settings, passed on to uv
     cann_present: bool = False
     build_tools: tuple[str, ...] = BUILD_TOOLS
+    wheel_cache: Path = field(default_factory=default_cache)  # built fork wheels, shared by every venv
+    jobs: int = field(default_factory=lambda: os.cpu_count() or 1)  # MAX_JOBS of the kernel builds
 
     @property
     def venv_python(self) -> str:
@@ -169,12 +189,7 @@ def build_plan(ctx: Context) -> list[Step]:
     if "mindspeed-llm" in forks:
         steps.append(_editable(ctx, forks["mindspeed-llm"]))
     if "vllm" in forks:
-        env = {"SETUPTOOLS_SCM_PRETEND_VERSION": _version(forks["vllm"])}
-        if ctx.device in ("npu", "cpu"):
-            env["VLLM_TARGET_DEVICE"] = "empty"  # never compile vLLM's CPU or CUDA kernels here
-        else:
-            env["VLLM_USE_PRECOMPILED"] = "1"  # our series touches Python only: reuse upstream kernels
-        steps.append(_editable(ctx, forks["vllm"], env))
+        steps += vllm_steps(ctx, forks["vllm"])
     if "vllm-ascend" in forks:
         env = {
             "SETUPTOOLS_SCM_PRETEND_VERSION": _version(forks["vllm-ascend"]),
@@ -184,6 +199,9 @@ def build_plan(ctx: Context) -> list[Step]:
         steps.append(_editable(ctx, forks["vllm-ascend"], env))
     if "verl" in forks:
         steps.append(_editable(ctx, forks["verl"]))
+    te = transformer_engine_step(ctx)
+    if te:
+        steps.append(te)
     req = requirement_args(ctx)
     files = [Path(a) for a in req if not a.startswith("-")]
     steps.append(Step("requirements", "pinned requirements (" + " + ".join(f.name for f in files) + ")",
@@ -192,6 +210,86 @@ def build_plan(ctx: Context) -> list[Step]:
     steps.append(Step("smoke", "import every installed fork; write stack.json", kind="smoke",
                       inputs=tuple(s.stamp() for s in steps)))
     return steps
+
+
+def vllm_steps(ctx: Context, fork: Fork) -> list[Step]:
+    """npu: Python only (vLLM-Ascend brings the kernels); cuda: upstream's kernels from the PyPI wheel
+    of the pinned release; cpu: the CPU kernels compiled from the patched tree, once per wheel key."""
+    env = {"SETUPTOOLS_SCM_PRETEND_VERSION": _version(fork)}
+    if ctx.device == "npu":
+        env["VLLM_TARGET_DEVICE"] = "empty"  # never compile vLLM's CPU or CUDA kernels here
+        return [_editable(ctx, fork, env)]
+    if ctx.device == "cuda":
+        kernels = cuda_kernels_path()
+        env.update({"VLLM_USE_PRECOMPILED": "1", "VLLM_PRECOMPILED_WHEEL_LOCATION": str(kernels)})
+        fetch = Step("vllm-kernels", f"{VLLM_CUDA_KERNELS.file} ({VLLM_CUDA_KERNELS.requirement} from"
+                     f" {'the wheelhouse' if ctx.wheelhouse else 'PyPI'}, sha256-checked)", kind="fetch",
+                     fetch=VLLM_CUDA_KERNELS, inputs=(VLLM_CUDA_KERNELS.sha256,),
+                     note=f"into {kernels}; our series touches Python only, so the vllm step takes the"
+                          " compiled kernels from this wheel instead of wheels.vllm.ai")
+        return [fetch, _editable(ctx, fork, env)]
+    build = vllm_cpu_wheel(ctx, fork)
+    cmd_env = {**build.flags, **env, "MAX_JOBS": str(ctx.jobs), "PATH": f"{ctx.venv / 'bin'}:$PATH"}
+    install = ("uv", "pip", "install", "--python", ctx.venv_python) if ctx.installer == "uv" else \
+        (ctx.venv_python, "-m", "pip", "install")
+    reinstall = ("--reinstall-package", build.name) if ctx.installer == "uv" else ("--force-reinstall",)
+    return [Step(
+        name=fork.name, kind="wheel", wheel=build, env=cmd_env, inputs=(*fork_inputs(ctx, fork), build.key),
+        title=f"{fork.name} ({fork.distribution}) with its CPU kernels: a wheel built from {fork.path},"
+              " cached by pin, series and torch",
+        commands=(wheel_command(ctx.venv_python, build),
+                  (*install, "--no-index", "--find-links", str(build.folder), "--no-deps", *reinstall, build.name)),
+        note=f"the wheel cache {ctx.wheel_cache} has it after the first build ({VLLM_CPU_BUILD_TIME}), so"
+             f" another venv or clone installs it in seconds; the build needs "
+             + ", ".join(f"{h} ({fix})" for h, fix in build.headers))]
+
+
+def vllm_cpu_wheel(ctx: Context, fork: Fork) -> WheelBuild:
+    """What the cpu profile's vLLM wheel is made of, and so its cache key."""
+    stack = ctx.manifest.stack.get(ctx.device, {})
+    flags = {**VLLM_CPU_FLAGS, "SETUPTOOLS_SCM_PRETEND_VERSION": _version(fork)}
+    return WheelBuild(name=fork.distribution, source=ctx.root / fork.path, flags=flags, cache_root=ctx.wheel_cache,
+                      key_parts=(*fork_inputs(ctx, fork), f"torch {stack['torch']}",
+                                 f"python {stack.get('python', '3.11')}", ctx.arch),
+                      headers=VLLM_CPU_HEADERS, duration=VLLM_CPU_BUILD_TIME)
+
+
+def wheel_command(python: str, build: WheelBuild) -> tuple[str, ...]:
+    """Build a fork's wheel into its cache folder (the runner builds into a temporary folder and renames)."""
+    return (python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--wheel-dir", str(build.folder),
+            str(build.source))
+
+
+def cuda_kernels_path() -> Path:
+    from tools.forks import sources
+
+    return sources.cache_dir() / VLLM_CUDA_KERNELS.file
+
+
+def requirement_pin(ctx: Context, name: str) -> str | None:
+    """The version a profile's requirement files pin `name` at (`name[extras]==V`), or None."""
+    norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731  (PEP 503 names)
+    pattern = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*==\s*([^\s;#]+)")
+    for path in requirement_files(ctx.root / "requirements" / f"{ctx.device}.in"):
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            match = pattern.match(line)
+            if match and norm(match.group(1)) == norm(name):
+                return match.group(3)
+    return None
+
+
+def transformer_engine_step(ctx: Context) -> Step | None:
+    """Transformer Engine's torch extension, where the profile's requirements ask for TE: PyPI has it only
+    as an sdist that compiles against the installed torch (and the CUDA toolkit), so it is built here
+    without isolation; the requirements step then finds it installed and takes the rest as wheels."""
+    version = requirement_pin(ctx, "transformer-engine")
+    if version is None:
+        return None
+    return Step("transformer-engine", f"transformer_engine_torch=={version}, built against the installed torch",
+                commands=(_install(ctx, "--no-deps", f"transformer_engine_torch=={version}"),),
+                env={"NVTE_FRAMEWORK": "pytorch", "MAX_JOBS": str(ctx.jobs)},
+                note=f"transformer-engine[pytorch]=={version} in requirements/{ctx.device}.in; its other parts"
+                     " (transformer-engine, transformer-engine-cu12) are wheels")
 
 
 def requirement_files(path: Path) -> list[Path]:
@@ -220,6 +318,8 @@ def render(ctx: Context, steps: list[Step]) -> str:
         lines.append(f"[{i}/{len(steps)}] {step.name}: {step.title}")
         for key, value in sorted(step.env.items()):
             lines.append(f"    env {key}={value}")
+        if step.fetch:
+            lines.append(f"    fetch {step.fetch.file} sha256={step.fetch.sha256}")
         for cmd in step.commands:
             lines.append(f"    $ {shlex.join(cmd)}")
         if step.note:

@@ -16,10 +16,11 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tools.forks import ops
+from tools.forks import ops, sources
+from tools.install import wheels
 from tools.install.plan import MIN_FREE_GIB, Context, Step
 
 CANN_VERSION_FILES = ("version.cfg", "*/ascend_toolkit_install.info", "ascend_toolkit_install.info")
@@ -144,15 +145,19 @@ def execute(ctx: Context, steps: list[Step], force: bool = False, say=print) -> 
             _run_preflight(ctx, say, label)
         elif step.kind == "forks":
             sync_and_apply(ctx, say, label)
+        elif step.kind == "fetch":  # always: the file must be in the cache for the steps that read it
+            fetch(ctx, step, say, label)
         elif not force and _done(ctx, step, stamp):
             say(f"{label}: up to date")
             outcome[step.name] = "skipped"
             continue
         elif step.kind == "smoke":
             smoke(ctx, say, label)
+        elif step.kind == "wheel":
+            _run_wheel(ctx, step, say, label)
         else:
             _run_shell(ctx, step, say, label)
-        if step.kind not in ("preflight", "forks"):
+        if step.kind not in ("preflight", "forks", "fetch"):
             _mark(ctx, step, stamp)
         outcome[step.name] = "ran"
     return outcome
@@ -181,18 +186,84 @@ def sync_and_apply(ctx: Context, say, label: str) -> None:
     say(f"{label}: " + "; ".join(reports))
 
 
+def step_env(step: Step) -> dict[str, str]:
+    """The process environment of a step: os.environ plus the step's, `$PATH` in a value expanded."""
+    path = os.environ.get("PATH", "")
+    return {**os.environ, **{k: v.replace("$PATH", path) for k, v in step.env.items()}}
+
+
+def fetch(ctx: Context, step: Step, say, label: str) -> Path:
+    """A sha256-pinned file from the wheelhouse or the index into the download cache (tools.forks's)."""
+    pin = step.fetch
+    assert pin is not None
+    holder = next(f for f in ctx.manifest.forks.values() if f.distribution == pin.name)
+    fork = replace(holder, pypi=pin)
+    indexes = [os.environ.get("PIP_INDEX_URL") or sources.DEFAULT_INDEX]
+    try:
+        cached = sources.cache_dir() / pin.file
+        if not (cached.is_file() and sources._sha256(cached) == pin.sha256):
+            say(f"{label}: downloading {pin.file}")
+        path = sources.download(fork, sources.find_distribution(fork, indexes, [ctx.wheelhouse] if ctx.wheelhouse
+                                                                 else []))
+    except sources.SourceError as exc:
+        raise InstallError(f"step {step.name}: {exc}") from None
+    say(f"{label}: {path} (sha256 ok)")
+    return path
+
+
+def _run_wheel(ctx: Context, step: Step, say, label: str) -> None:
+    """Install a fork from its cached wheel; build the wheel first when the cache (or the wheelhouse) lacks it."""
+    build = step.wheel
+    assert build is not None
+    build_cmd, install_cmd = step.commands
+    env = step_env(step)
+    started = time.monotonic()
+    wheel = wheels.cached(build)
+    if wheel is None and ctx.wheelhouse:
+        wheel = wheelhouse_wheel(ctx.wheelhouse, build)
+        if wheel:
+            say(f"{label}: {wheel.name} from the wheelhouse (key {build.key})")
+            wheel = wheels.seed(build, wheel)
+    if wheel is not None:
+        say(f"{label}: {wheel.name} from the wheel cache ({build.folder}), not built")
+    else:
+        say(f"{label}: building {build.name}'s wheel from {build.source} ({build.duration or 'minutes'};"
+            f" once per key, then cached in {build.folder})")
+        log = _log_dir(ctx) / f"{step.name}.log" if ctx.venv.is_dir() else None
+        try:
+            wheel = wheels.build_wheel(build, build_cmd, env, log)
+        except wheels.WheelError as exc:
+            raise InstallError(f"step {step.name} failed: {exc}\n  fix the cause and rerun: finished steps are skipped,"
+                               " this one runs again") from None
+        say(f"{label}: built {wheel.name} in {time.monotonic() - started:.0f} s")
+    _run_commands(ctx, step, (install_cmd,), env)
+    say(f"{label}: done in {time.monotonic() - started:.1f} s")
+
+
+def wheelhouse_wheel(wheelhouse: Path, build: wheels.WheelBuild) -> Path | None:
+    """The wheel a wheelhouse built under this key (wheelhouse.json records it), if it is there."""
+    record = wheelhouse / "wheelhouse.json"
+    if not record.is_file():
+        return None
+    name = json.loads(record.read_text()).get("built", {}).get(build.key)
+    return wheelhouse / name if name and (wheelhouse / name).is_file() else None
+
+
 def _run_shell(ctx: Context, step: Step, say, label: str) -> None:
     say(f"{label}: {step.title}")
-    env = {**os.environ, **step.env}
     started = time.monotonic()
-    for cmd in step.commands:
+    _run_commands(ctx, step, step.commands, step_env(step))
+    say(f"{label}: done in {time.monotonic() - started:.1f} s")
+
+
+def _run_commands(ctx: Context, step: Step, commands, env: dict[str, str]) -> None:
+    for cmd in commands:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = _append_log(ctx, step, cmd, proc)
         if proc.returncode != 0:
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
             raise InstallError(f"step {step.name} failed (exit {proc.returncode}); log: {log or 'none'}\n{tail}\n"
                                "  fix the cause and rerun: finished steps are skipped, this one runs again")
-    say(f"{label}: done in {time.monotonic() - started:.1f} s")
 
 
 def _append_log(ctx: Context, step: Step, cmd: tuple[str, ...], proc) -> Path | None:
