@@ -59,7 +59,7 @@ def test_the_profiles_derive_the_graph_settings_instead_of_repeating_them(name):
 def test_cpu_tiny_gets_nothing_vllm_ascend_specific():
     cfg = config.load(TINY).cfg
     assert config.value(cfg, f"{ENGINE}.additional_config") is None
-    assert config.value(cfg, f"{ENGINE}.max_num_seqs") is None
+    assert config.value(cfg, f"{ENGINE}.max_num_seqs") == config.value(cfg, "actor_rollout_ref.rollout.max_num_seqs")
     assert config.vllm_engine_settings(cfg) == config.AscendEngine()
 
 

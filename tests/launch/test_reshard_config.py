@@ -52,14 +52,19 @@ def test_a_virtual_pipeline_needs_gather_or_fallback():
 
 def test_directed_experts_need_vllm_expert_parallelism():
     vllm = "actor_rollout_ref.rollout.name=vllm"
+    off = "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel=false"
     with pytest.raises(config.ConfigError, match=rf"{KEY}.experts=directed .*\.enable_expert_parallel=true"):
-        config.load(TINY, [f"{KEY}.experts=directed", vllm])
+        config.load(TINY, [f"{KEY}.experts=directed", vllm, off])
     on = "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel=true"
     assert config.reshard_settings(config.load(TINY, [f"{KEY}.experts=directed", on, vllm]).cfg).experts == "directed"
 
 
 def test_the_hf_rollout_takes_directed_experts_without_vllm_settings():
-    """cpu-tiny: each HF engine holds every expert, so the directed plan needs no vLLM expert parallelism."""
-    cfg = config.load(TINY).cfg
+    """cpu-tiny with --rollout hf: each HF engine holds every expert, so the directed plan needs no vLLM expert
+    parallelism."""
+    from tools.launch.smoke import ROLLOUTS
+
+    no_ep = "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel=false"
+    cfg = config.load(TINY, [*ROLLOUTS["hf"], no_ep]).cfg
     assert config.value(cfg, "actor_rollout_ref.rollout.name") == "hf"
     assert config.reshard_settings(cfg) == config.Reshard(tp_pp="directed", experts="directed", fallback=False)

@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.verl.conftest import require, run_forked
+from tests.gloo import run_processes
+from tests.verl.conftest import require
 
 migrate = require("verl.workers.rollout.rebalance.migrate")
 plan = require("verl.workers.rollout.rebalance.plan")
@@ -190,7 +191,8 @@ def _worker(rank, port, mode, results):
 
 @pytest.fixture(scope="module", params=["ship", "reprefill"])
 def outcome(request):
-    return request.param, run_forked(_worker, WORLD, request.param)
+    # spawn: a fork of this pytest process, after the vLLM engines of other tests ran in it, could abort
+    return request.param, run_processes(_worker, WORLD, request.param, start_method="spawn")
 
 
 def test_every_request_finishes_once_at_home_in_order_with_the_tokens_of_an_unmoved_run(outcome):
