@@ -9,6 +9,7 @@ beside it and renamed into place, so an interrupted build leaves nothing that lo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -65,16 +66,9 @@ def cached(build: WheelBuild) -> Path | None:
 
 def seed(build: WheelBuild, wheel: Path) -> Path:
     """Put an already built wheel (a wheelhouse's) into the cache under this key, atomically."""
-    build.cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=build.cache_root, prefix=f".{build.folder.name}."))
-    try:
+    with _staged(build) as tmp:
         shutil.copy2(wheel, tmp / wheel.name)
-        _publish(tmp, build.folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    found = cached(build)
-    assert found is not None
-    return found
+    return _found(build)
 
 
 def missing_headers(headers: tuple[tuple[str, str], ...], env: dict[str, str] | None = None) -> list[tuple[str, str]]:
@@ -99,9 +93,7 @@ def build_wheel(build: WheelBuild, command: tuple[str, ...], env: dict[str, str]
     if lacking:
         raise WheelError(f"building {build.name} needs " + "; ".join(f"{h} (fix: {fix})" for h, fix in lacking)
                          + ", then rerun")
-    build.cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=build.cache_root, prefix=f".{build.folder.name}."))
-    try:
+    with _staged(build) as tmp:
         args = tuple(str(tmp) if part == str(build.folder) else part for part in command)
         proc = subprocess.run(args, env=env, capture_output=True, text=True)
         if log is not None:
@@ -114,9 +106,22 @@ def build_wheel(build: WheelBuild, command: tuple[str, ...], env: dict[str, str]
         wheels = list(tmp.glob("*.whl"))
         if len(wheels) != 1:
             raise WheelError(f"building {build.name} left {len(wheels)} wheels in {tmp}, expected one")
+    return _found(build)
+
+
+@contextlib.contextmanager
+def _staged(build: WheelBuild):
+    """A temporary folder beside the key's, renamed to it when the block succeeds and removed either way."""
+    build.cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=build.cache_root, prefix=f".{build.folder.name}."))
+    try:
+        yield tmp
         _publish(tmp, build.folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _found(build: WheelBuild) -> Path:
     found = cached(build)
     assert found is not None
     return found
