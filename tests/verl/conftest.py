@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
+from tests import stack
 from tests.gloo import run_processes
 
 
 def require(module: str):
-    """Import a module of our verl series, or skip saying why it is absent."""
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as exc:
-        pytest.skip(f"{module} not importable ({exc}): sync and apply the verl fork, then install it"
-                    " (nox -s tests does both)", allow_module_level=True)  # most callers run at import
+    """Import a module of our verl series (skips saying why, or fails under the switch: tests/stack.py)."""
+    return stack.require(module, stack.series("verl"))
 
 
 def run_forked(worker, world: int, *args) -> dict:

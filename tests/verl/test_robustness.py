@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import stack
 from tests.gloo import single_rank_model_parallel
 
-protocol = pytest.importorskip("verl.protocol", reason="verl not installed (nox -s tests installs the stack)")
+protocol = stack.require("verl.protocol", "verl not installed (nox -s tests installs the stack)")
 DataProto = protocol.DataProto
 
 
@@ -88,11 +89,11 @@ def _megatron_config(*overrides: str):
 
 @pytest.fixture(scope="module")
 def chunking():
-    mod = pytest.importorskip("verl.utils.megatron.chunked_log_probs", reason="verl series not applied")
+    mod = stack.require("verl.utils.megatron.chunked_log_probs", "verl series not applied")
     try:
         importlib.import_module("megatron.core.tensor_parallel.chunked_cross_entropy")
     except ImportError as exc:
-        pytest.skip(f"Megatron without the chunked cross entropy of our fork ({exc}): apply the megatron series")
+        stack.missing(f"Megatron lacks the chunked cross entropy of our fork ({exc})", stack.series("megatron"))
     return mod
 
 
@@ -252,7 +253,7 @@ def compile_calls(monkeypatch):
 
 @pytest.fixture
 def guard():
-    return pytest.importorskip("verl.utils.compile_guard", reason="verl series not applied")
+    return stack.require("verl.utils.compile_guard", "verl series not applied")
 
 
 @pytest.mark.parametrize("npu", [False, True], ids=["cuda-or-cpu", "npu"])
@@ -347,7 +348,7 @@ def _undefined_globals(path: Path) -> set[str]:
 @pytest.mark.parametrize("module", NEW + CHANGED)
 def test_touched_module_imports_and_uses_no_undefined_name(module):
     if module in NEW:
-        mod = pytest.importorskip(module, reason="verl series not applied")
+        mod = stack.require(module, stack.series("verl"))
     else:
         mod = importlib.import_module(module)
     assert _undefined_globals(Path(mod.__file__)) == set()

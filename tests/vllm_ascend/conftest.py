@@ -21,6 +21,7 @@ from unittest import mock
 
 import pytest
 
+from tests import stack
 from tests.gloo import run_processes
 
 os.environ.setdefault("VLLM_PLUGINS", "none")  # never let a platform plugin pick a device here
@@ -75,11 +76,11 @@ def va():
     Package scope: the stubs (which make find_spec("torch_npu") succeed) are gone again before
     the tests of any other directory run."""
     if not (TREE / "vllm_ascend").is_dir():
-        pytest.skip(f"the vLLM-Ascend source is absent ({TREE}): {GET_TREE}")
+        stack.missing(f"the vLLM-Ascend source is absent ({TREE})", GET_TREE)
     if not SERIES_MARKER.is_file():
-        pytest.skip(f"our vLLM-Ascend series is not applied in {TREE}: {GET_TREE}")
-    pytest.importorskip("torch")
-    pytest.importorskip("vllm", reason="vLLM (our fork) is not installed; vLLM-Ascend runs on top of it")
+        stack.missing(f"our vLLM-Ascend series is not applied in {TREE}", GET_TREE)
+    stack.require("torch")
+    stack.require("vllm", "vLLM (our fork) is not installed; vLLM-Ascend runs on top of it")
     import torch
 
     # numba is a vLLM requirement the cpu stack leaves out; only vLLM's n-gram drafter uses it.
