@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
 from tests import stack
-from tests.gloo import run_processes
 
 
 def require(module: str):
@@ -15,12 +12,16 @@ def require(module: str):
 
 def run_forked(worker, world: int, *args) -> dict:
     """`worker(rank, port, *args, results)` in `world` forked processes (see tests/gloo.py)."""
+    from tests.gloo import run_processes  # imports torch: here, so that a missing torch is reported per test
+
     return run_processes(worker, world, *args)
 
 
 def owner_of(root, name: str):
     """The submodule of `root` that holds the dotted parameter `name`, made on the way where missing (the fake
     Megatron models of the weight-sync tests), and the leaf name."""
+    import torch  # here, so that without torch this directory's tests report it rather than fail to collect
+
     *path, leaf = name.split(".")
     mod = root
     for part in path:

@@ -22,7 +22,6 @@ from unittest import mock
 import pytest
 
 from tests import stack
-from tests.gloo import run_processes
 
 os.environ.setdefault("VLLM_PLUGINS", "none")  # never let a platform plugin pick a device here
 
@@ -121,4 +120,6 @@ def series_python_files() -> list[str]:
 def run_forked(worker, world: int, *args) -> dict:
     """Fork, so that the workers inherit the imported (stubbed) vLLM-Ascend modules, and whatever a
     worker patches stays in that worker (see tests/gloo.py)."""
+    from tests.gloo import run_processes  # imports torch: here, so that a missing torch is reported per test
+
     return run_processes(worker, world, *args)
