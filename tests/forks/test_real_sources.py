@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import stack
 from tools.forks import manifest as manifest_mod
 from tools.forks.cli import main
 
@@ -48,7 +49,7 @@ def _index_unreachable() -> str | None:
 def test_pypi_sources_give_four_forks_and_report_mindspeed_git_only(tmp_path, capsys):
     reason = _index_unreachable()
     if reason:
-        pytest.skip(reason)
+        stack.missing(reason, "the PyPI sources of verl, vLLM, vLLM-Ascend and Megatron-core need it")
     root = _scratch_project(tmp_path / "project", superproject=False)
     assert main(["--root", str(root), "sync", "--source", "pypi"]) == 0
     out = capsys.readouterr().out
@@ -77,7 +78,7 @@ def test_git_mirrors_sync_and_apply_every_mirrored_fork(tmp_path, monkeypatch, c
     mirrored = _mirrored([f.url for f in forks])
     names = [f.name for f in forks if f.url in mirrored]
     if not names:
-        pytest.skip("no git mirror configured for any fork (git config --global url.<mirror>.insteadOf <url>)")
+        stack.unavailable(stack.GIT, "no git mirror configured for any fork")
     root = _scratch_project(tmp_path / "project", superproject=True)
     args = ["--root", str(root)]
     assert main([*args, "sync", "--source", "git", *names]) == 0

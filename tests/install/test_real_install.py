@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.forks.test_real_sources import _index_unreachable
+from tests.stack import missing
 from tools.forks.cli import main as forks_main
 from tools.install.cli import main as install_main
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.network
 def test_cpu_install_of_the_real_stack(tmp_path, capsys):
     reason = _index_unreachable()
     if reason:
-        pytest.skip(reason)
+        missing(reason, "the cpu install fetches the stack from it")
     root = tmp_path / "project"
     (root / "third_party").mkdir(parents=True)
     shutil.copy(ROOT / "third_party/forks.toml", root / "third_party/forks.toml")

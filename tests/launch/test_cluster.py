@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")
+from tests import stack
+
+ray = stack.require("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from tests.gloo import free_port  # noqa: E402

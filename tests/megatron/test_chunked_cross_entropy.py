@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests import stack
+
+torch = stack.require("torch")
 try:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import cross_entropy as plain_ce
@@ -17,7 +19,7 @@ try:
         chunked_vocab_parallel_cross_entropy,
     )
 except ImportError as exc:  # megatron-core absent, or our fork patch not applied
-    pytest.skip(f"megatron.core with chunked cross entropy not importable: {exc}", allow_module_level=True)
+    stack.missing(f"megatron.core with chunked cross entropy is not importable ({exc})", stack.series("megatron"))
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -55,8 +57,8 @@ def _loss_and_grad(fn, logits, target, grad_out, **kwargs):
 # Runs before any test that uses the module-scoped tp1 fixture.
 def test_does_not_modify_logits_and_works_without_process_group():
     """No torch.distributed and no model parallel state: one rank, no communication."""
-    if parallel_state.model_parallel_is_initialized():
-        pytest.skip("model parallel state already initialised (this test must run before the tp1 fixture)")
+    assert not parallel_state.model_parallel_is_initialized(), \
+        "model parallel state is already initialised: this test runs before the tp1 fixture, so an earlier test left it"
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 3, 3000, generator=gen)
     before = logits.clone()

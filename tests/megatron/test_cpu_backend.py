@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("megatron.core")
+from tests import stack
+
+stack.require("megatron.core")
 
 from tests.gloo import run_processes, single_rank_model_parallel  # noqa: E402
 
@@ -488,7 +490,7 @@ def _te_keys(hf_dir: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def runs(hf, converted, tmp_path_factory):
-    pytest.importorskip("verl.models.mcore.config_converter")
+    stack.require("verl.models.mcore.config_converter")
     ref = tmp_path_factory.mktemp("ref") / "tp1-grads.pt"
     # spawn: forking after DCP's writer threads ran in this process can hang
     tp1 = run_processes(_model_worker, 1, 1, 1, 1, str(hf), str(converted), str(ref), start_method="spawn")

@@ -13,7 +13,9 @@ import os
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests import stack
+
+torch = stack.require("torch")
 try:
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -21,7 +23,7 @@ try:
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 except ImportError as exc:  # megatron-core absent, or our fork patch not applied
-    pytest.skip(f"megatron.core with num_layer_list not importable: {exc}", allow_module_level=True)
+    stack.missing(f"megatron.core with num_layer_list is not importable ({exc})", stack.series("megatron"))
 
 from tests.gloo import run_processes  # noqa: E402
 

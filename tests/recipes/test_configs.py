@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import stack
 from tests.launch.conftest import LEGACY_LAYOUT, write_dist_manifest, write_manifest
 from tools.launch import cli, config, env, run
 
@@ -166,10 +167,10 @@ def test_megatron_profiles_pass_the_trainer_checks_of_our_verl_series(name, trai
     TensorCache limits), run on the verl config the launcher writes for each Megatron profile."""
     cfg = config.load(ROOT / f"recipes/deepseek_r1/configs/{name}.yaml").cfg
     verl_cfg = config.verl_config(cfg, config.verl_base_for(cfg))
-    on_policy = pytest.importorskip("verl.trainer.ppo.on_policy")
-    colocated = pytest.importorskip("verl.trainer.ppo.colocated_ref")
-    batch_sizes = pytest.importorskip("verl.trainer.ppo.batch_sizes")
-    flow = pytest.importorskip("verl.trainer.ppo.tensor_cache_flow")
+    on_policy = stack.require("verl.trainer.ppo.on_policy")
+    colocated = stack.require("verl.trainer.ppo.colocated_ref")
+    batch_sizes = stack.require("verl.trainer.ppo.batch_sizes")
+    flow = stack.require("verl.trainer.ppo.tensor_cache_flow")
     assert on_policy.skip_old_log_prob(verl_cfg) is True
     assert colocated.shares_actor_worker(verl_cfg) is True
     assert batch_sizes.check_config(verl_cfg, use_reference_policy=True) == train_dp

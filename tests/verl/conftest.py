@@ -2,29 +2,26 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-from tests.gloo import run_processes
+from tests import stack
 
 
 def require(module: str):
-    """Import a module of our verl series, or skip saying why it is absent."""
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as exc:
-        pytest.skip(f"{module} not importable ({exc}): sync and apply the verl fork, then install it"
-                    " (nox -s tests does both)", allow_module_level=True)  # most callers run at import
+    """Import a module of our verl series (skips saying why, or fails under the switch: tests/stack.py)."""
+    return stack.require(module, stack.series("verl"))
 
 
 def run_forked(worker, world: int, *args) -> dict:
     """`worker(rank, port, *args, results)` in `world` forked processes (see tests/gloo.py)."""
+    from tests.gloo import run_processes  # imports torch: here, so that a missing torch is reported per test
+
     return run_processes(worker, world, *args)
 
 
 def owner_of(root, name: str):
     """The submodule of `root` that holds the dotted parameter `name`, made on the way where missing (the fake
     Megatron models of the weight-sync tests), and the leaf name."""
+    import torch  # here, so that without torch this directory's tests report it rather than fail to collect
+
     *path, leaf = name.split(".")
     mod = root
     for part in path:

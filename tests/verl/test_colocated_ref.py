@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 import torch
 
+from tests import stack
 from tests.gloo import run_processes
 
-# importorskip: conftest.require's pytest.skip is refused at module level (no allow_module_level)
 SERIES = "verl series not applied (sync, apply and install the verl fork; nox -s tests does)"
-batch_sizes = pytest.importorskip("verl.trainer.ppo.batch_sizes", reason=SERIES)
-colocated_ref = pytest.importorskip("verl.trainer.ppo.colocated_ref", reason=SERIES)
-DataProto = pytest.importorskip("verl").DataProto
-Worker = pytest.importorskip("verl.single_controller.base").Worker
-decorator = pytest.importorskip("verl.single_controller.base.decorator")
+batch_sizes = stack.require("verl.trainer.ppo.batch_sizes", SERIES)
+colocated_ref = stack.require("verl.trainer.ppo.colocated_ref", SERIES)
+DataProto = stack.require("verl").DataProto
+Worker = stack.require("verl.single_controller.base").Worker
+decorator = stack.require("verl.single_controller.base.decorator")
 
 
 def _config(*overrides: str, strategy: str = "megatron"):
@@ -230,7 +230,7 @@ def _megatron_worker(rank, port, role, overrides, results):
 
 
 def test_megatron_worker_normalises_the_ref_next_to_the_actor():
-    pytest.importorskip("megatron.core")
+    stack.require("megatron.core")
     overrides = [
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=null",
         "actor_rollout_ref.ref.log_prob_micro_batch_size=8",
@@ -243,7 +243,7 @@ def test_megatron_worker_normalises_the_ref_next_to_the_actor():
 
 
 def test_megatron_worker_refuses_a_size_that_does_not_split_over_its_dp():
-    pytest.importorskip("megatron.core")
+    stack.require("megatron.core")
     got = _spawned(_megatron_worker, 2, "actor_rollout", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
     assert all("must be a multiple of the per-rank micro-batch 3" in got[r] for r in (0, 1)), got
 
@@ -384,7 +384,7 @@ def _build_models_in_shared_worker(rank, port, results):
 
 
 def test_the_shared_megatron_worker_builds_the_ref_as_a_ref():
-    pytest.importorskip("megatron.core")
+    stack.require("megatron.core")
     got = _spawned(_build_models_in_shared_worker, 1)[0]
     assert got["actor"] == (["module1"], "optimizer of module1", "hf", {})
     # before the series, the ref call took the actor branch too (a DDP-wrapped model with an optimizer, four
@@ -429,7 +429,7 @@ class FakeActorRolloutRefWorker(Worker):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray = pytest.importorskip("ray")
+    ray = stack.require("ray")
     import verl
 
     # Ray's workers import this module and the same verl as this process

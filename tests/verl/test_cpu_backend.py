@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from tests import stack
 from tests.verl.conftest import require, run_forked
 
 device = require("verl.utils.device")
@@ -110,7 +111,7 @@ def test_fsdp2_loads_rank0_weights_into_cpu_shards():
 
 
 def test_resource_pool_counts_cpus_on_a_cpu_cluster():
-    ray = pytest.importorskip("ray")
+    ray = stack.require("ray")
     trainer = require("verl.trainer.ppo.ray_trainer")
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)  # never a stale cluster
     try:
@@ -130,7 +131,7 @@ def test_resource_pool_counts_cpus_on_a_cpu_cluster():
 
 
 def test_hf_rollout_samples_n_responses_on_cpu():
-    transformers = pytest.importorskip("transformers")
+    transformers = stack.require("transformers")
     from omegaconf import OmegaConf
     from tensordict import TensorDict
     from verl import DataProto

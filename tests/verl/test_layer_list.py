@@ -22,16 +22,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests import stack
 from tests.gloo import single_rank_model_parallel
 
 
 def require(module: str):
-    """Import a module of our forks, or skip this file saying why it is absent."""
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as exc:
-        pytest.skip(f"{module} not importable ({exc}): sync and apply the verl and megatron forks, then install"
-                    " them (nox -s tests does both)", allow_module_level=True)
+    """Import a module of our forks (skips saying why, or fails under the switch: tests/stack.py)."""
+    return stack.require(module, "sync and apply the verl and megatron forks, then install them (nox -s tests"
+                                 " does both)")
 
 layer_list = require("verl.utils.megatron.layer_list")
 megatron_utils = require("verl.utils.megatron_utils")
@@ -49,7 +47,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from transformers import DeepseekV3Config  # noqa: E402
 
 if "num_layer_list" not in TransformerConfig.__dataclass_fields__:
-    pytest.skip("megatron-core without our num_layer_list patch (tools.forks apply megatron)", allow_module_level=True)
+    stack.missing("megatron-core lacks our num_layer_list patch", stack.series("megatron"))
 
 ROOT = Path(__file__).resolve().parents[2]
 DSV3_LIST = [7, 7, 8, 8, 8, 8, 8, 7]  # the reference's split of 61 layers on 8 stages
@@ -316,7 +314,7 @@ def mcore_model_from_hf(hf_model, tfconfig):
     """Run verl's HF -> mcore converter (scripts/converter_hf_to_mcore.py) into Slots: mcore name -> tensor."""
     script = Path(layer_list.__file__).resolve().parents[3] / "scripts" / "converter_hf_to_mcore.py"
     if not script.is_file():
-        pytest.skip(f"verl's HF -> mcore converter not found at {script} (the verl checkout's scripts/)")
+        stack.unavailable(stack.GIT, f"verl's HF -> mcore converter {script} (scripts/ is not in verl's sdist)")
     spec = importlib.util.spec_from_file_location("verl_converter_hf_to_mcore", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -394,7 +392,7 @@ def mindspeed_llm_functions(path: Path, names: list[str], namespace: dict) -> di
 
 
 @pytest.mark.skipif(not (MINDSPEED_LLM / "mindspeed_llm").is_dir(),
-                    reason="third_party/MindSpeed-LLM is not checked out (a gitcode submodule)")
+                    reason=stack.unavailable_reason("mindspeed-llm", "third_party/MindSpeed-LLM is not checked out"))
 def test_mindspeed_llm_wrappers_see_the_same_stages(mp1, monkeypatch):
     ns = {"wraps": functools.wraps, "parallel_state": parallel_state}
     block = mindspeed_llm_functions(MINDSPEED_LLM / "mindspeed_llm/core/transformer/transformer_block.py",

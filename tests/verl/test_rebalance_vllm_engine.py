@@ -22,11 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import stack
 from tests.verl.conftest import require, run_forked
 
 migrate = require("verl.workers.rollout.rebalance.migrate")
 vllm_engine = require("verl.workers.rollout.rebalance.vllm_engine")
-pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM 0.9.1 (v1 engine) not installed")
+stack.require("vllm.v1.core.sched.scheduler", "vLLM 0.9.1 (v1 engine) not installed")
 
 from vllm.config import CacheConfig, SchedulerConfig  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402

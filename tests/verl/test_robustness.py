@@ -3,25 +3,25 @@
 - a DataProto stays writable after it was sent to a worker (pickled), and union unlocks a locked TensorDict;
 - `actor_rollout_ref.{actor,ref}.megatron.logits_chunk_size` selects Megatron's chunked cross entropy (our Megatron
   fork): same log-probs and gradients as Megatron's path next to verl's entropy, and no full fp32 copy of the logits;
-- the entropy is not torch.compiled on Ascend NPU (is_npu_available patched; the guard is on the called path);
-- the touched modules import, and have no name that is used but neither defined nor imported.
+- the entropy is not torch.compiled on Ascend NPU (is_npu_available patched; the guard is on the called path).
+
+Undefined names in the files the series touches: ruff's F rules, tests/forks/test_series_pyflakes.py.
 """
 
 from __future__ import annotations
 
-import builtins
 import importlib
 import pickle
 import re
-import symtable
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import stack
 from tests.gloo import single_rank_model_parallel
 
-protocol = pytest.importorskip("verl.protocol", reason="verl not installed (nox -s tests installs the stack)")
+protocol = stack.require("verl.protocol", "verl not installed (nox -s tests installs the stack)")
 DataProto = protocol.DataProto
 
 
@@ -88,11 +88,11 @@ def _megatron_config(*overrides: str):
 
 @pytest.fixture(scope="module")
 def chunking():
-    mod = pytest.importorskip("verl.utils.megatron.chunked_log_probs", reason="verl series not applied")
+    mod = stack.require("verl.utils.megatron.chunked_log_probs", "verl series not applied")
     try:
         importlib.import_module("megatron.core.tensor_parallel.chunked_cross_entropy")
     except ImportError as exc:
-        pytest.skip(f"Megatron without the chunked cross entropy of our fork ({exc}): apply the megatron series")
+        stack.missing(f"Megatron lacks the chunked cross entropy of our fork ({exc})", stack.series("megatron"))
     return mod
 
 
@@ -252,7 +252,7 @@ def compile_calls(monkeypatch):
 
 @pytest.fixture
 def guard():
-    return pytest.importorskip("verl.utils.compile_guard", reason="verl series not applied")
+    return stack.require("verl.utils.compile_guard", "verl series not applied")
 
 
 @pytest.mark.parametrize("npu", [False, True], ids=["cuda-or-cpu", "npu"])
@@ -294,66 +294,3 @@ def test_fsdp_actor_entropy_is_eager_on_npu(guard, tp1, compile_calls, monkeypat
     actor = DataParallelPPOActor(config=config, actor_module=torch.nn.Linear(2, 2))
     assert actor.compute_entropy_from_logits is verl_F.entropy_from_logits
     assert [fn for fn, _ in compile_calls] == ([] if npu else [verl_F.entropy_from_logits])
-
-
-# ---------------------------------------------------------------- imports and names
-
-
-# Every verl module the issue-8 commits touch (items 3 and 7): the new ones, then the changed ones. megatron_workers
-# imports on CPU only since the FSDP critic no longer imports flash_attn unconditionally.
-NEW = [
-    "verl.utils.compile_guard",
-    "verl.utils.megatron.chunked_log_probs",
-    "verl.trainer.ppo.batch_sizes",
-    "verl.trainer.ppo.colocated_ref",
-]
-CHANGED = [
-    "verl.protocol",
-    "verl.utils.megatron.tensor_parallel",
-    "verl.workers.actor.megatron_actor",
-    "verl.workers.actor.dp_actor",
-    "verl.workers.critic.dp_critic",
-    "verl.trainer.ppo.ray_trainer",
-    "verl.trainer.main_ppo",
-    "verl.workers.megatron_workers",
-]
-
-
-def _undefined_globals(path: Path) -> set[str]:
-    """Names a module's code reads as globals but neither defines, imports nor gets from builtins (pyflakes' F821,
-    the bug class noted in the reference recipe), from the compiler's own symbol tables."""
-    top = symtable.symtable(path.read_text(), str(path), "exec")
-    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
-    # __class__: the compiler notes it wherever super is named
-    defined |= set(dir(builtins)) | {
-        "__file__",
-        "__name__",
-        "__doc__",
-        "__spec__",
-        "__package__",
-        "__builtins__",
-        "__class__",
-    }
-    missing, tables = set(), [top]
-    while tables:
-        table = tables.pop()
-        tables.extend(table.get_children())
-        for s in table.get_symbols():
-            if s.is_referenced() and s.get_name() not in defined and (table is top or s.is_global()):
-                missing.add(s.get_name())
-    return missing
-
-
-@pytest.mark.parametrize("module", NEW + CHANGED)
-def test_touched_module_imports_and_uses_no_undefined_name(module):
-    if module in NEW:
-        mod = pytest.importorskip(module, reason="verl series not applied")
-    else:
-        mod = importlib.import_module(module)
-    assert _undefined_globals(Path(mod.__file__)) == set()
-
-
-def test_the_undefined_name_check_finds_one(tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text("import os\n\n\nclass C:\n    def f(self):\n        return os.sep + re.escape('x')\n")
-    assert _undefined_globals(bad) == {"re"}

@@ -16,18 +16,20 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests import stack
+
 os.environ.setdefault("VLLM_PLUGINS", "none")  # never let a platform plugin import torch_npu here
-torch = pytest.importorskip("torch")
+torch = stack.require("torch")
 
 from tests.verl.conftest import require  # noqa: E402
 
 lc = require("verl.workers.sharding_manager.rollout_lifecycle")
 dpg = require("verl.workers.rollout.vllm_rollout.dp_groups")
-core_mod = pytest.importorskip("vllm.v1.engine.core", reason="vLLM (our fork) is not installed")
+core_mod = stack.require("vllm.v1.engine.core", "vLLM (our fork) is not installed")
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 if not hasattr(core_mod.EngineCore, "reinit_kv_cache"):
-    pytest.skip("the vLLM series is not applied to the installed vLLM", allow_module_level=True)
+    stack.missing("the installed vLLM lacks our series", stack.series("vllm"))
 
 
 # ---------------------------------------------------------------- fakes that record

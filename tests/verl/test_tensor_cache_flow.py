@@ -19,13 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import stack
 from tests.verl.conftest import require, run_forked
 
 SERIES = "verl series not applied (sync, apply and install the verl fork; nox -s tests does)"
-cached = pytest.importorskip("verl.single_controller.base.cached_dispatch", reason=SERIES)
-flow = pytest.importorskip("verl.trainer.ppo.tensor_cache_flow", reason=SERIES)
-decorator = pytest.importorskip("verl.single_controller.base.decorator")
-DataProto = pytest.importorskip("verl").DataProto
+cached = stack.require("verl.single_controller.base.cached_dispatch", SERIES)
+flow = stack.require("verl.trainer.ppo.tensor_cache_flow", SERIES)
+decorator = stack.require("verl.single_controller.base.decorator")
+DataProto = stack.require("verl").DataProto
 
 P, R, N = 3, 5, 2  # prompt length, response length, samples per prompt
 PROMPTS = 8  # -> 16 sequences

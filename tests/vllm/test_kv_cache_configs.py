@@ -10,13 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests import stack
+
 os.environ.setdefault("VLLM_PLUGINS", "none")  # never let a platform plugin import torch_npu here
-torch = pytest.importorskip("torch")
-core_mod = pytest.importorskip("vllm.v1.engine.core", reason="vLLM (our fork) is not installed")
+torch = stack.require("torch")
+core_mod = stack.require("vllm.v1.engine.core", "vLLM (our fork) is not installed")
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 if not hasattr(core_mod.EngineCore, "reinit_kv_cache"):
-    pytest.skip("the vLLM series is not applied to the installed vLLM", allow_module_level=True)
+    stack.missing("the installed vLLM lacks our series", stack.series("vllm"))
 
 
 class StubExecutor:

@@ -21,7 +21,7 @@ from unittest import mock
 
 import pytest
 
-from tests.gloo import run_processes
+from tests import stack
 
 os.environ.setdefault("VLLM_PLUGINS", "none")  # never let a platform plugin pick a device here
 
@@ -75,11 +75,11 @@ def va():
     Package scope: the stubs (which make find_spec("torch_npu") succeed) are gone again before
     the tests of any other directory run."""
     if not (TREE / "vllm_ascend").is_dir():
-        pytest.skip(f"the vLLM-Ascend source is absent ({TREE}): {GET_TREE}")
+        stack.missing(f"the vLLM-Ascend source is absent ({TREE})", GET_TREE)
     if not SERIES_MARKER.is_file():
-        pytest.skip(f"our vLLM-Ascend series is not applied in {TREE}: {GET_TREE}")
-    pytest.importorskip("torch")
-    pytest.importorskip("vllm", reason="vLLM (our fork) is not installed; vLLM-Ascend runs on top of it")
+        stack.missing(f"our vLLM-Ascend series is not applied in {TREE}", GET_TREE)
+    stack.require("torch")
+    stack.require("vllm", "vLLM (our fork) is not installed; vLLM-Ascend runs on top of it")
     import torch
 
     # numba is a vLLM requirement the cpu stack leaves out; only vLLM's n-gram drafter uses it.
@@ -120,4 +120,6 @@ def series_python_files() -> list[str]:
 def run_forked(worker, world: int, *args) -> dict:
     """Fork, so that the workers inherit the imported (stubbed) vLLM-Ascend modules, and whatever a
     worker patches stays in that worker (see tests/gloo.py)."""
+    from tests.gloo import run_processes  # imports torch: here, so that a missing torch is reported per test
+
     return run_processes(worker, world, *args)

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.stack import missing, require, series
+
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 BLOCKS, BLOCK_SIZE, LORA, ROPE = 4, 16, 32, 16
 
@@ -49,9 +51,10 @@ def stack(va, monkeypatch):
     mr = va("vllm_ascend.worker.model_runner_v1")
     wv1 = va("vllm_ascend.worker.worker_v1")
     mla = va("vllm_ascend.attention.mla_v1")
-    core_mod = pytest.importorskip("vllm.v1.engine.core")
+    core_mod = require("vllm.v1.engine.core")
     if not hasattr(core_mod.EngineCore, "reinit_kv_cache"):
-        pytest.skip("the vLLM series (EngineCore.free_kv_cache / reinit_kv_cache) is not in the installed vLLM")
+        missing("the installed vLLM lacks our series (EngineCore.free_kv_cache / reinit_kv_cache)",
+                series("vllm"))
     from vllm.utils import run_method
     from vllm.worker.worker_base import WorkerWrapperBase
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from tests import stack
 from tests.gloo import run_processes
 from tests.vllm_ascend.conftest import TREE
 from tools.launch import config
@@ -90,8 +90,7 @@ def rollout_worker(rank, port, world, results):
 @pytest.fixture(scope="module")
 def engine_kwargs():
     for module in ("verl", "vllm"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} (our fork) is not installed")
+        stack.require(module)
     tp = {config.value(config.load(CONFIGS / f"{n}.yaml").cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size")
           for n in A3}
     assert tp == {2}, f"the profiles' rollout TP changed ({tp}): adjust the world below"

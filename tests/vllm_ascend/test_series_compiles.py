@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import py_compile
 
-import pytest
-
+from tests import stack
 from tests.vllm_ascend.conftest import GET_TREE, SERIES_MARKER, TREE, series_python_files
 
 
 def test_every_touched_file_compiles(tmp_path):
     if not SERIES_MARKER.is_file():
-        pytest.skip(f"the vLLM-Ascend tree with our series is absent ({TREE}): {GET_TREE}")
+        stack.missing(f"the vLLM-Ascend tree with our series is absent ({TREE})", GET_TREE)
     files = series_python_files()
     assert "vllm_ascend/attention/mla_v1.py" in files and "vllm_ascend/worker/worker_v1.py" in files
     for i, path in enumerate(files):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import stack
 from tests.gloo import run_processes
 from tools.weights import dist
 from tools.weights.io import CheckpointError, ShardedReader
@@ -225,8 +226,8 @@ def _load_worker(rank, port, world, tp, ep, hf_dir, ckpt, results):
 
 @pytest.mark.parametrize("tp,ep,world", [(1, 1, 1), (2, 2, 2)], ids=["tp1-ep1", "tp2-ep2"])
 def test_megatron_core_model_loads_it_bit_exact(hf, converted, tp, ep, world):
-    pytest.importorskip("megatron.core")
-    pytest.importorskip("verl.models.mcore.config_converter")
+    stack.require("megatron.core")
+    stack.require("verl.models.mcore.config_converter")
     # spawn: forking after DCP's writer threads ran in this process can hang
     results = run_processes(_load_worker, world, world, tp, ep, str(hf), str(converted), start_method="spawn")
     for rank, r in results.items():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import stack
 from tools.weights import legacy
 from tools.weights.io import CheckpointError, DirectWriter, ShardedReader, aligned_buffer, reader_spans
 from tools.weights.model import ConfigError, dims_from_config, hf_shapes, load_config
@@ -327,7 +328,7 @@ def test_a_failed_write_leaves_no_file(hf, tmp_path, monkeypatch):
 
 def test_direct_writer_carries_on_when_direct_writes_are_refused(tmp_path, monkeypatch):
     if not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT on this platform")
+        stack.missing("os.O_DIRECT (this platform has none)", "run on Linux, as CI does")
     import fcntl
 
     real_write, refused = os.write, []
