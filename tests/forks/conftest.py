@@ -38,6 +38,10 @@ PATCHES = [
 ]
 
 
+SENDABLE_TRAILERS = ("Reason: the synthetic recipe needs it\nUpstream-Status: Pending\n"
+                     "Signed-off-by: Test User <test@example.invalid>")
+
+
 def git(cwd: Path, *args: str, input: str | None = None, check: bool = True) -> str:
     proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, input=input)
     assert proc.returncode == 0 or not check, f"git {args} failed: {proc.stderr}"
@@ -51,7 +55,7 @@ def write(root: Path, files: dict[str, str]) -> None:
 
 
 def commit(repo: Path, files: dict[str, str], subject: str, body: str = "", date: str = "2025-01-01T00:00:00Z",
-           trailers: str = "Reason: the synthetic recipe needs it\nUpstream-Status: Pending") -> str:
+           trailers: str = SENDABLE_TRAILERS) -> str:
     write(repo, files)
     git(repo, "add", "-A")
     message = subject + (f"\n\n{body}" if body else "") + (f"\n\n{trailers}" if trailers else "") + "\n"
@@ -212,14 +216,14 @@ def with_series(project) -> Project:
     return project
 
 
-def bad_patch(subject: str, trailers: str) -> str:
-    """A mail-formatted patch with the given subject and trailer block (for lint tests)."""
+def bad_patch(subject: str, trailers: str, body: str = "Because the test says so.") -> str:
+    """A mail-formatted patch with the given subject, body and trailer block (for lint tests)."""
     return (
         "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
         "From: Test User <test@example.invalid>\n"
         "Date: Wed, 1 Jan 2025 00:00:00 +0000\n"
         f"Subject: {subject}\n\n"
-        "Because the test says so.\n\n"
+        f"{body}\n\n"
         f"{trailers}\n"
         "---\n"
         "diff --git a/README.md b/README.md\n"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from tests.forks.conftest import PATCHES, bad_patch, commit, git
+import pytest
+
+from tests.forks.conftest import PATCHES, SENDABLE_TRAILERS, bad_patch, commit, git
+from tools.forks.series import file_name
 
 
 def _snapshot(directory):
@@ -109,3 +112,56 @@ def test_check_reports_a_patch_that_does_not_apply_to_the_pin(with_series, capsy
     target.write_text(target.read_text().replace("-batch = 8", "-batch = 9"))
     assert p.cli("check", "demo") == 1
     assert "raise-the-default-batch.patch: does not apply to the pin" in capsys.readouterr().out
+
+
+SIGNED = "Signed-off-by: Test User <test@example.invalid>"
+GOOD_TRAILERS = f"Reason: testing\nUpstream-Status: Pending\n{SIGNED}"
+
+
+@pytest.mark.parametrize("subject, trailers, body, expected", [
+    ("A" * 73, GOOD_TRAILERS, "Because.", "subject is 73 characters (rule: at most 72); shorten it"),
+    ("Touch readme", "Reason: testing\nUpstream-Status: Pending", "Because.",
+     "missing trailer `Signed-off-by: Name <email>` (rule: DCO, required upstream); add it with"),
+    ("Touch readme", f"Reason: the layout of issue 8\nUpstream-Status: Pending\n{SIGNED}", "Because.",
+     "cites our issue tracker ('issue 8' in 'Reason: the layout of issue 8'"),
+    ("Touch readme", GOOD_TRAILERS, "Needed for the A3 recipe (issues 6/7).", "cites our issue tracker ('issues 6/7'"),
+    ("Touch readme", GOOD_TRAILERS, "Fixes the crash of #12.", "cites our issue tracker ('#12'"),
+    ("Touch readme", f"Reason: x\nUpstream-Status: Inappropriate (verl PR #2017 removes it)\n{SIGNED}", "Because.",
+     "cites our issue tracker ('#2017'"),
+])
+def test_check_refuses_a_patch_unfit_to_send(with_series, capsys, subject, trailers, body, expected):
+    p = with_series
+    (p.patches / "bad.patch").write_text(bad_patch(subject, trailers, body))
+    (p.patches / "series").write_text((p.patches / "series").read_text() + "bad.patch\n")
+    assert p.cli("check", "demo") == 1
+    out = capsys.readouterr().out
+    assert f"bad.patch: {expected}" in out, out
+    assert out.count("bad.patch:") == 1, "only the broken rule is reported"
+
+
+def test_check_accepts_72_characters_and_upstream_links(with_series, capsys):
+    p = with_series
+    upstream = ("Upstream-Status: Submitted https://github.com/vllm-project/vllm/pull/123\n"
+                f"Reason: see vllm-project/vllm#456 and https://github.com/volcengine/verl/issues/7\n{SIGNED}")
+    (p.patches / "good.patch").write_text(bad_patch("B" * 72, upstream, "Rank issues the same collectives in order."))
+    (p.patches / "series").write_text((p.patches / "series").read_text() + "good.patch\n")
+    assert p.cli("check", "demo") == 0, capsys.readouterr().out
+
+
+def test_file_names_end_at_a_word_boundary_within_64_characters():
+    subject = "Add TensorCache: batch tensors stay on the worker that produced them"
+    assert file_name(subject, set()) == "add-tensorcache-batch-tensors-stay-on-the-worker-that-produced.patch"
+    assert file_name(subject, set()) == file_name(subject, set()), "deterministic"
+    assert file_name("x" * 70 + " tail", set()) == "x" * 64 + ".patch", "one over-long word is cut"
+    assert file_name("Add a feature flag", {"add-a-feature-flag.patch"}) == "add-a-feature-flag-2.patch"
+    assert file_name("?!", set()) == "patch.patch"
+
+
+def test_export_names_a_long_subject_at_a_word_boundary(with_series):
+    p = with_series
+    subject = "Keep rotary frequencies and router weights on the host without CUDA"
+    commit(p.fork, {"extra.py": "y = 2\n"}, subject, "The host has no CUDA.", trailers=SENDABLE_TRAILERS)
+    assert p.cli("export", "demo") == 0
+    name = "keep-rotary-frequencies-and-router-weights-on-the-host-without.patch"
+    assert (p.patches / "series").read_text().splitlines()[-1] == name
+    assert (p.patches / name).is_file()

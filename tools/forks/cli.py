@@ -87,7 +87,9 @@ def parser() -> argparse.ArgumentParser:
     p = add("check", "Lint every series and, where the source is present, replay it onto the pin.",
             "Lint: listed files exist, every patch is listed, subjects are unique, each patch has a\n"
             "body and the trailers `Reason:` and `Upstream-Status:` (Pending | Submitted <link> |\n"
-            "Inappropriate <why>).")
+            "Inappropriate <why>). Fit to send upstream: subjects of at most 72 characters, a\n"
+            "`Signed-off-by:` trailer, and no citation of our issue tracker (`issue 8`, `#12`) in the\n"
+            "message or its trailers; upstream references are URLs or owner/repo#N.")
     _fork_args(p)
 
     p = add("test", "Run the tests the series adds, inside each fork's patched tree.",

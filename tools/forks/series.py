@@ -20,6 +20,13 @@ UPSTREAM_STATUS = re.compile(r"^(Pending|Submitted \S+|Inappropriate \S.*)$")
 # a file the patch creates: `diff --git a/X b/X` followed by `new file mode`
 NEW_FILE = re.compile(r"^diff --git a/(\S+) b/\1\nnew file mode", re.MULTILINE)
 SERIES_HEADER = "# Order in which the patches apply (tools.forks export writes this file).\n"
+SUBJECT_MAX = 72  # what upstream maintainers (and git log --oneline) read without wrapping
+SLUG_MAX = 64  # git format-patch's file-name length; we cut at a word boundary instead of mid-word
+SIGN_OFF = "Signed-off-by"  # the DCO line vLLM's CI (and many upstreams) require on every commit
+# Our own tracker, cited as "issue 8", "issues 6/7" or "#12". An upstream reference is written as a
+# URL or as owner/repo#N, which the lookbehind and the URL scrub leave alone.
+TRACKER_REF = re.compile(r"\bissues?\s+#?\d+(?:\s*(?:/|,|and|&)\s*#?\d+)*|(?<![\w/.-])#\d+\b", re.IGNORECASE)
+URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -117,15 +124,43 @@ def lint(series: Series, cwd: Path) -> list[str]:
                 f"{where}: trailer Upstream-Status is {status!r}; use `Pending`,"
                 " `Submitted <link>` or `Inappropriate <why>`"
             )
+        problems += [f"{where}: {problem}" for problem in sendable_problems(patch)]
     return problems
+
+
+def sendable_problems(patch: Patch) -> list[str]:
+    """What keeps a patch from being sent upstream as it stands: each as `rule; fix`."""
+    problems = []
+    if len(patch.subject) > SUBJECT_MAX:
+        problems.append(f"subject is {len(patch.subject)} characters (rule: at most {SUBJECT_MAX}); shorten it"
+                        " on the branch (`git rebase -i`, reword) and export")
+    if not patch.trailers.get(SIGN_OFF):
+        problems.append(f"missing trailer `{SIGN_OFF}: Name <email>` (rule: DCO, required upstream); add it"
+                        " with `git commit --amend -s` or `git rebase --signoff <base>` and export")
+    for line in patch.message.splitlines():
+        for ref in TRACKER_REF.findall(URL.sub("", line)):
+            problems.append(f"cites our issue tracker ({ref.strip()!r} in {line.strip()!r}; rule: messages and"
+                            " trailers must make sense upstream); say the why in words, or link upstream by URL")
+    return problems
+
+
+def subject_slug(subject: str) -> str:
+    """The subject's words, lower case and dash-joined, cut after the last whole word that fits SLUG_MAX."""
+    words = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-").split("-")
+    text = words[0][:SLUG_MAX]  # a single word longer than the limit is the only one cut
+    for word in words[1:]:
+        if len(text) + 1 + len(word) > SLUG_MAX:
+            break
+        text += "-" + word
+    return text or "patch"
 
 
 def file_name(subject: str, taken: set[str]) -> str:
     """A readable, unique file name from a subject line."""
-    slug = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")[:64].rstrip("-") or "patch"
-    name, n = f"{slug}.patch", 2
+    stem = subject_slug(subject)
+    name, n = f"{stem}.patch", 2
     while name in taken:
-        name, n = f"{slug}-{n}.patch", n + 1
+        name, n = f"{stem}-{n}.patch", n + 1
     return name
 
 
