@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from tools.weights.hf import FP8_BLOCK, scale_shape  # noqa: E402
 from tools.weights.io import INDEX  # noqa: E402
-from tools.weights.model import FP8_BLOCK, scale_shape  # noqa: E402
 
 SHAPES = [(7168, 2048), (2048, 7168)]  # DeepSeek-V3 routed expert gate/up and down projections
 

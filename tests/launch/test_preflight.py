@@ -8,11 +8,13 @@ import pytest
 
 from tests.launch.conftest import CONFIGS, LEGACY_LAYOUT, write_dist_manifest, write_manifest
 from tools.launch import config, inputs, layout, memory, preflight
+from tools.launch.keys import AM, RM, A, R
+from tools.model.dims import dims_from_config
 
 
 def checks_for(name: str, *overrides: str, device_gb: float = 64.0) -> list[preflight.Check]:
     recipe = config.load(CONFIGS / f"{name}.yaml", list(overrides))
-    dims = memory.Dims.from_hf(config.model_dims(recipe)[0])
+    dims = dims_from_config(config.model_dims(recipe)[0])
     checks, _ = preflight.run(layout.from_config(recipe.cfg), dims, device_gb)
     return checks
 
@@ -27,10 +29,6 @@ def test_a3_profiles_pass(name):
     assert "256 % (4 x 8)" in table and "64 x TP2 x 2 = 256 vs 256" in table or "128 x TP2 x 1" in table
 
 
-A = "actor_rollout_ref.actor."
-AM = A + "megatron."
-RM = "actor_rollout_ref.ref.megatron."
-R = "actor_rollout_ref.rollout."
 BROKEN = [
     # (overrides, field named in the failure, a fragment of the numbers shown)
     ([AM + "pipeline_model_parallel_size=6", AM + "num_layer_list=[10,10,10,10,11,10]"],
@@ -90,7 +88,7 @@ def test_broken_variant_fails_naming_the_field(overrides, field, fragment):
 
 def test_memory_estimate_of_the_true_weight_profile():
     recipe = config.load(CONFIGS / "a3-128-true-weight.yaml")
-    dims = memory.Dims.from_hf(config.model_dims(recipe)[0])
+    dims = dims_from_config(config.model_dims(recipe)[0])
     assert dims.total_params() / 1e9 == pytest.approx(671.0, abs=0.1)  # DeepSeek-V3 without MTP
     est = memory.estimate(layout.from_config(recipe.cfg), dims, 64.0)
     assert est.update["actor params (bf16)"] == pytest.approx(6.59, abs=0.01)  # a stage of 8 MoE layers

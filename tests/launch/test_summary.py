@@ -7,7 +7,7 @@ import math
 
 from tests.launch.conftest import CONFIGS
 from tools.launch import config, layout, plan, preflight, summary
-from tools.launch.memory import Dims
+from tools.model.dims import dims_from_config
 
 
 def _write_events(tb_dir, steps: dict[int, dict[str, float]]) -> None:
@@ -75,7 +75,7 @@ def test_cpu_ranks_are_ray_cpus_next_to_the_trainer_task():
 
 def _rollout_checks(overrides=()):
     loaded = config.load(CONFIGS / "cpu-tiny.yaml", list(overrides))
-    dims = Dims.from_hf(config.model_dims(loaded)[0])
+    dims = dims_from_config(config.model_dims(loaded)[0])
     return {c.name: c for c in preflight.rollout_checks(layout.from_config(loaded.cfg), dims)}
 
 

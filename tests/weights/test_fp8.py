@@ -16,10 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tools.model.dims import dims_from_config
 from tools.weights import fp8
 from tools.weights.cli import main
+from tools.weights.hf import FP8_BLOCK, hf_tensors
 from tools.weights.io import INDEX, MANIFEST, sha256
-from tools.weights.model import FP8_BLOCK, dims_from_config, hf_tensors
 from tools.weights.tiny import make_tiny, quantize_blocks
 
 OTHER_FILES = {"tokenizer.json": '{"model": "bpe"}\n', "tokenizer_config.json": '{"bos_token": "<s>"}\n',

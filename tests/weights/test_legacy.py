@@ -13,18 +13,21 @@ import pytest
 import torch
 
 from tests import stack
+from tools.model.dims import dims_from_config
+from tools.model.errors import ConfigError
+from tools.model.parallel import ParallelLayout, checked
 from tools.weights import legacy
+from tools.weights.hf import hf_shapes, load_config
 from tools.weights.io import CheckpointError, DirectWriter, ShardedReader, aligned_buffer, reader_spans
-from tools.weights.model import ConfigError, dims_from_config, hf_shapes, load_config
 from tools.weights.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 # 5 layers (1 dense), 16 experts: every required layout fits, with an uneven layer list.
 TINY = {"num_hidden_layers": 5, "n_routed_experts": 16}
 LAYOUTS = {
-    "tp1-pp1-ep1": {"tp": 1, "pp": 1, "ep": 1},
-    "tp2-pp2-ep2": {"tp": 2, "pp": 2, "ep": 2, "layer_list": [2, 3]},
-    "tp4-pp2-ep4-extend": {"tp": 4, "pp": 2, "ep": 4, "layer_list": [3, 2], "tp_extend_ep": True},
+    "tp1-pp1-ep1": ParallelLayout(),
+    "tp2-pp2-ep2": ParallelLayout(tp=2, pp=2, ep=2, layer_list=(2, 3)),
+    "tp4-pp2-ep4-extend": ParallelLayout(tp=4, pp=2, ep=4, layer_list=(3, 2), extend_ep=True),
 }
 quiet = {"say": lambda *a: None}
 
@@ -137,12 +140,13 @@ def test_resume_refuses_a_different_conversion(hf, tmp_path):
 
 
 @pytest.mark.parametrize("layout, message", [
-    ({"tp": 1, "pp": 2, "ep": 1, "layer_list": [2, 2]}, "summing to num_hidden_layers 5"),
-    ({"tp": 1, "pp": 2, "ep": 1, "layer_list": [5]}, "--pp 2 positive entries"),
-    ({"tp": 1, "pp": 2, "ep": 1}, "not divisible by --pp 2"),
-    ({"tp": 3, "pp": 1, "ep": 1}, "num_attention_heads 4 is not divisible by --tp = 3"),
-    ({"tp": 2, "pp": 1, "ep": 16, "tp_extend_ep": True}, "n_routed_experts 16 is not divisible by --ep * --tp"),
-    ({"tp": 1, "pp": 1, "ep": 3}, "n_routed_experts 16 is not divisible by --ep = 3"),
+    (ParallelLayout(pp=2, layer_list=(2, 2)), "summing to num_hidden_layers 5"),
+    (ParallelLayout(pp=2, layer_list=(5,)), "--pp 2 positive entries"),
+    (ParallelLayout(pp=2), "not divisible by --pp 2"),
+    (ParallelLayout(tp=3), "num_attention_heads 4 is not divisible by --tp = 3"),
+    (ParallelLayout(tp=2, ep=16, extend_ep=True), "n_routed_experts 16 is not divisible by --ep * --tp"),
+    (ParallelLayout(ep=3), "n_routed_experts 16 is not divisible by --ep = 3"),
+    (ParallelLayout(tp=2, etp=1), "expert_tensor_parallel_size is 1: each expert is split over --tp 2"),
 ])
 def test_bad_layouts_name_the_field(hf, tmp_path, layout, message):
     with pytest.raises(ConfigError, match=message.replace("*", r"\*")):
@@ -222,10 +226,10 @@ def test_cli_end_to_end(tmp_path):
 # ---------------------------------------------------------------- the fast writer against the plain reference
 
 
-def _reference_bytes(hf: Path, layout_args: dict, rel: str) -> bytes:
+def _reference_bytes(hf: Path, layout: ParallelLayout, rel: str) -> bytes:
     """A rank file the plain way: build_tensor (torch.cat of safetensors slices), torch.save to BytesIO."""
     dims = dims_from_config(load_config(hf))
-    layout = legacy.make_layout(dims, **layout_args)
+    layout = checked(dims, layout)
     reader = ShardedReader(hf)
     state = {spec.name: legacy.build_tensor(reader, spec) for spec in legacy.plan(dims, layout)[rel]}
     buf = io.BytesIO()
@@ -258,8 +262,8 @@ def test_builder_matches_build_tensor_with_large_pieces(tmp_path):
     fds = {p: os.open(p, os.O_RDONLY) for p in {s.path for s in spans.values()}}
     builder = legacy.RankBuilder(spans, fds)
     try:
-        for args in ({"tp": 2, "pp": 1, "ep": 2}, {"tp": 2, "pp": 2, "ep": 2, "tp_extend_ep": True}):
-            for rel, specs in legacy.plan(dims, legacy.make_layout(dims, **args)).items():
+        for layout in (ParallelLayout(tp=2, ep=2), ParallelLayout(tp=2, pp=2, ep=2, extend_ep=True)):
+            for rel, specs in legacy.plan(dims, checked(dims, layout)).items():
                 state = builder.build(specs, shapes)
                 for spec in specs:
                     want = legacy.build_tensor(reader, spec)
@@ -276,7 +280,7 @@ def test_builder_matches_build_tensor_with_large_pieces(tmp_path):
 def test_a_tight_memory_budget_runs_fewer_writers_with_the_same_bytes(hf, tmp_path):
     free = legacy.hf_to_legacy(hf, tmp_path / "free", LAYOUTS["tp2-pp2-ep2"], workers=2, **quiet)
     dims = dims_from_config(load_config(hf))
-    layout = legacy.make_layout(dims, **LAYOUTS["tp2-pp2-ep2"])
+    layout = checked(dims, LAYOUTS["tp2-pp2-ep2"])
     reader = ShardedReader(hf)
     one = legacy.RankBuilder.memory_needed(reader_spans(reader), hf_shapes(dims), legacy.plan(dims, layout).values())
     said = []

@@ -15,6 +15,8 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
+from tools.model.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[2]
 VERL_CONFIG = "verl/trainer/config/ppo_megatron_trainer.yaml"
 # verl's trainer config per actor strategy: its main_ppo picks the worker classes from the same key
@@ -31,10 +33,6 @@ RESHARD = "actor_rollout_ref.rollout.reshard"  # verl/utils/reshard/weight_sync.
 RESHARD_MODES = ("directed", "gather")
 REQUIRED_LAUNCH = ("launch.nodes", "launch.devices_per_node", "launch.accelerator", "launch.env_profile",
                    "launch.ray.port", "launch.ray.dashboard_port")
-
-
-class ConfigError(Exception):
-    """A config that cannot be used; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)

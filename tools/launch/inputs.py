@@ -35,9 +35,10 @@ HOW_TO_SET = {
 def convert_command(lay: Layout, dist: bool = False) -> str:
     if dist:
         return CONVERT_DIST
-    layers = ",".join(map(str, lay.layer_list)) if lay.layer_list else "<list>"
-    return CONVERT.format(tp=lay.tp, pp=lay.pp, ep=lay.ep, layers=layers,
-                          extend=" --moe-tp-extend-ep" if lay.extend_ep else "")
+    train = lay.train
+    layers = ",".join(map(str, train.layer_list)) if train.layer_list else "<list>"
+    return CONVERT.format(tp=train.tp, pp=train.pp, ep=train.ep, layers=layers,
+                          extend=" --moe-tp-extend-ep" if train.extend_ep else "")
 
 
 def checkpoint_problems(manifest: dict, lay: Layout, dist: bool = False) -> list[str]:
@@ -54,8 +55,9 @@ def checkpoint_problems(manifest: dict, lay: Layout, dist: bool = False) -> list
     got = header.get("layout")
     if header.get("format") != "legacy" or not isinstance(got, dict):
         return [f"manifest header is not an hf-to-mcore legacy conversion (format={header.get('format')!r})"]
-    want = {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "tp_extend_ep": lay.extend_ep,
-            "layers_per_stage": list(lay.layer_list) if lay.layer_list else got.get("layers_per_stage")}
+    want = lay.train.to_manifest()  # as hf-to-mcore records it; without a layer list any split is taken
+    if not lay.train.layer_list:
+        want["layers_per_stage"] = got.get("layers_per_stage")
     problems = [f"{k} is {got.get(k)!r}, the config needs {v!r}" for k, v in want.items() if got.get(k) != v]
     if LATEST not in manifest.get("files", {}):
         problems.append(f"conversion unfinished ({LATEST} not recorded): rerun it with --resume")

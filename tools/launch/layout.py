@@ -1,4 +1,8 @@
-"""The numbers of a run, read once from a config into a plain dataclass (preflight, memory and the plan use it)."""
+"""The numbers of a run, read once from a config into a plain dataclass (preflight, memory and the plan use it).
+
+The actor's and the ref's Megatron layouts are tools.model's ParallelLayout, one per block; the rest is the run's:
+the cluster, the rollout engines, offloading, recompute and the batch.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from tools.launch.config import value
-
-A = "actor_rollout_ref.actor."
-AM = A + "megatron."
-RM = "actor_rollout_ref.ref.megatron."
-R = "actor_rollout_ref.rollout."
-RR = "recipe.rollout."
+from tools.launch.keys import AM, RM, RR, A, R
+from tools.model.parallel import ParallelLayout
 
 # Device memory per die/GPU in GB (10^9 bytes) and the Ray resource that counts devices.
 DEVICE_MEMORY_GB = {"a3": 64.0, "h200": 141.0}
@@ -26,12 +26,7 @@ class Layout:
     devices_per_node: int
     accelerator: str
     # actor (Megatron)
-    tp: int
-    pp: int
-    ep: int
-    etp: int | None
-    extend_ep: bool
-    layer_list: tuple[int, ...] | None
+    train: ParallelLayout
     sequence_parallel: bool
     swap_optimizer: bool
     optimizer_offload: bool
@@ -41,10 +36,7 @@ class Layout:
     recompute_method: str | None
     recompute_num_layers: int | None
     # ref (Megatron)
-    ref_tp: int
-    ref_pp: int
-    ref_ep: int
-    ref_layer_list: tuple[int, ...] | None
+    ref: ParallelLayout
     ref_param_offload: bool
     # rollout (vLLM)
     rollout_tp: int
@@ -82,7 +74,7 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp) if self.tp * self.pp else 0
+        return self.world // self.train.model_parallel if self.train.model_parallel else 0
 
     @property
     def sequences(self) -> int:
@@ -105,25 +97,28 @@ def _tuple(v) -> tuple[int, ...] | None:
     return tuple(int(x) for x in v) if v else None
 
 
+def parallel_layout(cfg: DictConfig, block: str) -> ParallelLayout:
+    """The Megatron layout a block (AM or RM) of a recipe config sets."""
+    v = lambda key, default=None: value(cfg, block + key, default)  # noqa: E731
+    return ParallelLayout(tp=int(v("tensor_model_parallel_size", 1)), pp=int(v("pipeline_model_parallel_size", 1)),
+                          ep=int(v("expert_model_parallel_size", 1)), etp=v("expert_tensor_parallel_size"),
+                          extend_ep=bool(v("moe_tp_extend_ep", False)), layer_list=_tuple(v("num_layer_list")))
+
+
 def from_config(cfg: DictConfig) -> Layout:
     v = lambda key, default=None: value(cfg, key, default)  # noqa: E731
     recompute = v(AM + "override_transformer_config", {}) or {}
     return Layout(
         nodes=int(v("launch.nodes")), devices_per_node=int(v("launch.devices_per_node")),
         accelerator=str(v("launch.accelerator")),
-        tp=int(v(AM + "tensor_model_parallel_size", 1)), pp=int(v(AM + "pipeline_model_parallel_size", 1)),
-        ep=int(v(AM + "expert_model_parallel_size", 1)), etp=v(AM + "expert_tensor_parallel_size"),
-        extend_ep=bool(v(AM + "moe_tp_extend_ep", False)), layer_list=_tuple(v(AM + "num_layer_list")),
-        sequence_parallel=bool(v(AM + "sequence_parallel", False)),
+        train=parallel_layout(cfg, AM), sequence_parallel=bool(v(AM + "sequence_parallel", False)),
         swap_optimizer=bool(v(AM + "swap_optimizer", False)),
         optimizer_offload=bool(v(AM + "optimizer_offload", False)),
         param_offload=bool(v(AM + "param_offload", False)), grad_offload=bool(v(AM + "grad_offload", False)),
         recompute_granularity=recompute.get("recompute_granularity"),
         recompute_method=recompute.get("recompute_method"),
         recompute_num_layers=recompute.get("recompute_num_layers"),
-        ref_tp=int(v(RM + "tensor_model_parallel_size", 1)), ref_pp=int(v(RM + "pipeline_model_parallel_size", 1)),
-        ref_ep=int(v(RM + "expert_model_parallel_size", 1)), ref_layer_list=_tuple(v(RM + "num_layer_list")),
-        ref_param_offload=bool(v(RM + "param_offload", False)),
+        ref=parallel_layout(cfg, RM), ref_param_offload=bool(v(RM + "param_offload", False)),
         rollout_tp=int(v(R + "tensor_model_parallel_size", 1)), rollout_dp=int(v(RR + "data_parallel_size", 1)),
         rollout_instances=int(v(RR + "instances", 1)), rollout_ep=int(v(RR + "expert_parallel_size", 1)),
         gpu_memory_utilization=float(v(R + "gpu_memory_utilization", 0.5)),

@@ -16,81 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from tools.launch.layout import Layout
+from tools.model.dims import Dims
 
 GB = 1e9
 BF16, FP32 = 2, 4
 ADAM_BYTES = 12            # fp32 master weights + Adam m and v
 RUNTIME_RESERVE_GB = 3.0   # CANN/CUDA runtime, communicator buffers (HCCL_BUFFSIZE x groups), workspace
 VLLM_WORKSPACE_GB = 2.0    # vLLM's activation peak (max_num_batched_tokens) and captured graphs
-
-
-@dataclass(frozen=True)
-class Dims:
-    """The architecture numbers, named as in DeepSeek-V3's config.json."""
-
-    layers: int
-    dense_layers: int
-    experts: int
-    topk: int
-    shared: int
-    heads: int
-    hidden: int
-    q_lora: int
-    kv_lora: int
-    nope: int
-    rope: int
-    v: int
-    moe_inter: int
-    inter: int
-    vocab: int
-    max_positions: int
-
-    @classmethod
-    def from_hf(cls, c: dict) -> Dims:
-        return cls(layers=c["num_hidden_layers"], dense_layers=c.get("first_k_dense_replace", 0),
-                   experts=c.get("n_routed_experts") or 0, topk=c.get("num_experts_per_tok") or 0,
-                   shared=c.get("n_shared_experts") or 0, heads=c["num_attention_heads"], hidden=c["hidden_size"],
-                   q_lora=c.get("q_lora_rank") or 0, kv_lora=c["kv_lora_rank"], nope=c["qk_nope_head_dim"],
-                   rope=c["qk_rope_head_dim"], v=c["v_head_dim"], moe_inter=c.get("moe_intermediate_size") or 0,
-                   inter=c["intermediate_size"], vocab=c["vocab_size"],
-                   max_positions=c.get("max_position_embeddings", 0))
-
-    @property
-    def attention(self) -> int:
-        """MLA: low-rank q and kv projections, output projection, their norms."""
-        h, qk = self.hidden, self.nope + self.rope
-        q = h * self.q_lora + self.q_lora + self.q_lora * self.heads * qk if self.q_lora else h * self.heads * qk
-        kv = h * (self.kv_lora + self.rope) + self.kv_lora + self.kv_lora * self.heads * (self.nope + self.v)
-        return q + kv + self.heads * self.v * h + 2 * h
-
-    @property
-    def expert(self) -> int:
-        return 3 * self.hidden * self.moe_inter
-
-    @property
-    def dense_mlp(self) -> int:
-        return 3 * self.hidden * self.inter
-
-    @property
-    def router(self) -> int:
-        return self.experts * self.hidden + self.experts
-
-    @property
-    def embedding(self) -> int:
-        return self.vocab * self.hidden
-
-    def is_dense(self, layer: int) -> bool:
-        return layer < self.dense_layers or not self.experts
-
-    def total_params(self) -> int:
-        moe = self.layers - self.dense_layers
-        return (self.layers * self.attention + self.dense_layers * self.dense_mlp
-                + moe * ((self.experts + self.shared) * self.expert + self.router) + 2 * self.embedding + self.hidden)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """MLA caches the compressed latent and the rope key: whole on every TP rank."""
-        return self.layers * (self.kv_lora + self.rope) * BF16
 
 
 @dataclass
@@ -112,67 +44,55 @@ class Estimate:
         return sum(self.rollout_resident.values())
 
 
-def stage_layers(lay: Layout, dims: Dims) -> list[range]:
-    sizes = lay.layer_list or tuple(dims.layers // lay.pp + (i < dims.layers % lay.pp) for i in range(lay.pp))
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
-
-
-def experts_per_train_rank(lay: Layout, dims: Dims) -> float:
-    return dims.experts / (lay.ep * lay.tp if lay.extend_ep else lay.ep)
-
-
-def _expert_tp(lay: Layout) -> int:
-    return 1 if lay.extend_ep else (lay.etp or lay.tp)
-
-
 def stage_params(lay: Layout, dims: Dims, stage: int, layers: range) -> tuple[float, float]:
     """(dense-part params, expert params) of one die of a pipeline stage."""
+    train = lay.train
     dense = 0.0
     expert = 0.0
     for layer in layers:
-        dense += dims.attention / lay.tp
-        if dims.is_dense(layer):
-            dense += dims.dense_mlp / lay.tp
+        dense += dims.attention_params / train.tp
+        if not dims.is_moe(layer):
+            dense += dims.dense_mlp_params / train.tp
         else:
-            dense += dims.shared * dims.expert / lay.tp + dims.router
-            expert += experts_per_train_rank(lay, dims) * dims.expert / _expert_tp(lay)
+            dense += dims.shared_experts * dims.expert_params / train.tp + dims.router_params
+            expert += train.experts_per_rank(dims) * dims.expert_params / train.expert_tp
     if stage == 0:
-        dense += dims.embedding / lay.tp
-    if stage == lay.pp - 1:
-        dense += dims.embedding / lay.tp + dims.hidden
+        dense += dims.embedding_params / train.tp
+    if stage == train.pp - 1:
+        dense += dims.embedding_params / train.tp + dims.hidden
     return dense, expert
 
 
 def layer_activation_bytes(lay: Layout, dims: Dims, layer: int, tokens: int) -> float:
     """Bytes one layer keeps for backward for `tokens` tokens, on one die (SP splits tokens over TP)."""
-    per_die = tokens / lay.tp if lay.sequence_parallel else tokens
+    per_die = tokens / lay.train.tp if lay.sequence_parallel else tokens
     h = dims.hidden
-    if dims.is_dense(layer):
+    if not dims.is_moe(layer):
         return 34 * h * per_die
-    shared = 19 * h * per_die * dims.shared / max(1, dims.shared)  # shared expert like a dense MLP
-    routed = dims.topk * per_die * (4 * h + 6 * dims.moe_inter)     # permuted in/out, gate+up, act, down in
+    shared = 19 * h * per_die * dims.shared_experts / max(1, dims.shared_experts)  # shared expert like a dense MLP
+    # permuted in/out, gate+up, act, down in
+    routed = dims.experts_per_token * per_die * (4 * h + 6 * dims.moe_intermediate)
     return 15 * h * per_die + shared + routed
 
 
 def stage_activation_bytes(lay: Layout, dims: Dims, stage: int, layers: range) -> float:
     tokens = lay.seq_len * lay.micro_batch
     per_rank = lay.sequences // max(1, lay.dp)
-    in_flight = min(lay.pp - stage, max(1, per_rank // lay.micro_batch))
+    in_flight = min(lay.train.pp - stage, max(1, per_rank // lay.micro_batch))
     recomputed = 0
     if lay.recompute_granularity == "full":
         recomputed = min(len(layers), lay.recompute_num_layers or len(layers))
     kept = 0.0
     for i, layer in enumerate(layers):
         full = layer_activation_bytes(lay, dims, layer, tokens)
-        kept += (2 * dims.hidden * tokens / (lay.tp if lay.sequence_parallel else 1)) if i < recomputed else full
+        kept += (2 * dims.hidden * tokens / (lay.train.tp if lay.sequence_parallel else 1)) if i < recomputed else full
     working = max(layer_activation_bytes(lay, dims, layer, tokens) for layer in layers) if recomputed else 0.0
-    logits = 2 * FP32 * tokens * dims.vocab / lay.tp if stage == lay.pp - 1 else 0.0
+    logits = 2 * FP32 * tokens * dims.vocab / lay.train.tp if stage == lay.train.pp - 1 else 0.0
     return kept * in_flight + working + logits
 
 
 def optimizer_bytes(lay: Layout, dims: Dims, dense: float, expert: float, n_layers: int) -> float:
-    expert_dp = max(1, lay.dp // lay.ep)
+    expert_dp = max(1, lay.dp // lay.train.ep)
     full = ADAM_BYTES * (dense / max(1, lay.dp) + expert / expert_dp)
     if lay.optimizer_offload:
         return 0.0
@@ -182,24 +102,24 @@ def optimizer_bytes(lay: Layout, dims: Dims, dense: float, expert: float, n_laye
 
 
 def ref_params_per_die(lay: Layout, dims: Dims) -> float:
-    ref = replace(lay, tp=lay.ref_tp, pp=lay.ref_pp, ep=lay.ref_ep, layer_list=lay.ref_layer_list)
-    stages = stage_layers(ref, dims)
-    return max(sum(stage_params(ref, dims, s, r)) for s, r in enumerate(stages))
+    ref = replace(lay, train=lay.ref)
+    return max(sum(stage_params(ref, dims, s, r)) for s, r in enumerate(ref.train.stages(dims.layers)))
 
 
 def vllm_weight_params(lay: Layout, dims: Dims) -> float:
     """One rollout die: attention and dense parts split by rollout TP, routed experts split by rollout EP."""
-    moe = dims.layers - dims.dense_layers
-    dense = (dims.layers * dims.attention + dims.dense_layers * dims.dense_mlp
-             + moe * (dims.shared * dims.expert) + 2 * dims.embedding) / lay.rollout_tp + moe * dims.router
-    return dense + moe * dims.experts / lay.rollout_ep * dims.expert
+    moe = dims.moe_layers
+    dense = (dims.layers * dims.attention_params + dims.dense_layers * dims.dense_mlp_params
+             + moe * (dims.shared_experts * dims.expert_params) + 2 * dims.embedding_params) / lay.rollout_tp \
+        + moe * dims.router_params
+    return dense + moe * dims.experts / lay.rollout_ep * dims.expert_params
 
 
 def estimate(lay: Layout, dims: Dims, device_gb: float) -> Estimate:
     est = Estimate(device_gb=device_gb)
     ref_gb = 0.0 if lay.ref_param_offload else BF16 * ref_params_per_die(lay, dims) / GB
     worst = None
-    for stage, layers in enumerate(stage_layers(lay, dims)):
+    for stage, layers in enumerate(lay.train.stages(dims.layers)):
         if not len(layers):
             continue
         dense, expert = stage_params(lay, dims, stage, layers)
@@ -231,4 +151,9 @@ def estimate(lay: Layout, dims: Dims, device_gb: float) -> Estimate:
 def kv_needed_gb(lay: Layout, dims: Dims) -> float:
     """KV cache for every sequence of one engine at full length (one batch, no preemption)."""
     per_engine = -(-lay.sequences // max(1, lay.engines))
-    return per_engine * lay.seq_len * dims.kv_bytes_per_token / GB
+    return per_engine * lay.seq_len * kv_bytes_per_token(dims) / GB
+
+
+def kv_bytes_per_token(dims: Dims) -> int:
+    """MLA caches the compressed latent and the rope key: whole on every TP rank."""
+    return dims.layers * (dims.kv_lora_rank + dims.qk_rope) * BF16

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tools.launch.layout import AM, RM, RR, Layout, R
-from tools.launch.memory import Dims, Estimate, estimate, experts_per_train_rank
-
-A = "actor_rollout_ref.actor."
+from tools.launch.keys import AM, RM, RR, A, R
+from tools.launch.layout import Layout
+from tools.launch.memory import Estimate, estimate
+from tools.model.dims import Dims
 
 
 @dataclass(frozen=True)
@@ -49,25 +49,26 @@ def world_checks(lay: Layout) -> list[Check]:
 
 
 def megatron_checks(lay: Layout, dims: Dims) -> list[Check]:
-    tp, pp, ep, world = lay.tp, lay.pp, lay.ep, lay.world
+    tp, pp, ep, world = lay.train.tp, lay.train.pp, lay.train.ep, lay.world
     dp = lay.dp
-    ep_group = ep * tp if lay.extend_ep else ep
-    etp = 1 if lay.extend_ep else (lay.etp or tp)
-    layers = lay.layer_list
+    ep_group = ep * tp if lay.train.extend_ep else ep
+    etp = 1 if lay.train.extend_ep else (lay.train.etp or tp)
+    layers = lay.train.layer_list
     checks = [
         _c("TP x PP divides world", AM + "pipeline_model_parallel_size", f"{world} % ({tp} x {pp})",
            "world % (TP*PP) == 0", _div(world, tp * pp)),
         _c("heads split by TP", AM + "tensor_model_parallel_size", f"{dims.heads} % {tp}", "heads % TP == 0",
            _div(dims.heads, tp)),
-        _c("experts split by EP" + (" x TP (moe_tp_extend_ep)" if lay.extend_ep else ""),
+        _c("experts split by EP" + (" x TP (moe_tp_extend_ep)" if lay.train.extend_ep else ""),
            AM + "expert_model_parallel_size", f"{dims.experts} % {ep_group}",
-           "experts % (EP*TP) == 0" if lay.extend_ep else "experts % EP == 0", _div(dims.experts, ep_group)),
+           "experts % (EP*TP) == 0" if lay.train.extend_ep else "experts % EP == 0", _div(dims.experts, ep_group)),
         _c("expert group fits a stage", AM + "expert_model_parallel_size",
-           f"DP*TP = {dp * tp} % (EP*ETP = {ep * tp if lay.extend_ep else ep * etp})",
-           "EP*TP divides DP*TP" if lay.extend_ep else "EP*ETP divides DP*TP",
-           _div(dp * tp, ep * (tp if lay.extend_ep else etp))),
-        _c("extend-EP has no expert TP", AM + "expert_tensor_parallel_size", f"etp={lay.etp}",
-           "moe_tp_extend_ep => expert_tensor_parallel_size null or 1", not lay.extend_ep or lay.etp in (None, 1)),
+           f"DP*TP = {dp * tp} % (EP*ETP = {ep * tp if lay.train.extend_ep else ep * etp})",
+           "EP*TP divides DP*TP" if lay.train.extend_ep else "EP*ETP divides DP*TP",
+           _div(dp * tp, ep * (tp if lay.train.extend_ep else etp))),
+        _c("extend-EP has no expert TP", AM + "expert_tensor_parallel_size", f"etp={lay.train.etp}",
+           "moe_tp_extend_ep => expert_tensor_parallel_size null or 1",
+           not lay.train.extend_ep or lay.train.etp in (None, 1)),
     ]
     if layers is not None:
         checks += [
@@ -88,16 +89,16 @@ def megatron_checks(lay: Layout, dims: Dims) -> list[Check]:
            f"swap_optimizer={lay.swap_optimizer}, optimizer_offload={lay.optimizer_offload}",
            "not both swap_optimizer and optimizer_offload", not (lay.swap_optimizer and lay.optimizer_offload)),
         _c("ref layout = actor layout", RM + "tensor_model_parallel_size",
-           f"ref TP{lay.ref_tp} PP{lay.ref_pp} EP{lay.ref_ep} vs actor TP{tp} PP{pp} EP{ep}",
+           f"ref TP{lay.ref.tp} PP{lay.ref.pp} EP{lay.ref.ep} vs actor TP{tp} PP{pp} EP{ep}",
            "ref and actor share one layout (the batch stays in place from ref to update)",
-           (lay.ref_tp, lay.ref_pp, lay.ref_ep, lay.ref_layer_list) == (tp, pp, ep, layers)),
+           (lay.ref.tp, lay.ref.pp, lay.ref.ep, lay.ref.layer_list) == (tp, pp, ep, layers)),
     ]
     return checks
 
 
 def rollout_checks(lay: Layout, dims: Dims) -> list[Check]:
     tp, dp, inst, ep = lay.rollout_tp, lay.rollout_dp, lay.rollout_instances, lay.rollout_ep
-    train_group = lay.ep * lay.tp if lay.extend_ep else lay.ep
+    train_group = lay.train.ep * lay.train.tp if lay.train.extend_ep else lay.train.ep
     max_len = lay.max_model_len or dims.max_positions
     return [
         _c("rollout covers the world", RR + "data_parallel_size", f"{dp} x TP{tp} x {inst} = {dp * tp * inst}"
@@ -203,10 +204,11 @@ def derived(lay: Layout, dims: Dims) -> list[tuple[str, str]]:
     engines = lay.engines
     return [
         ("world", f"{lay.nodes} nodes x {lay.devices_per_node} = {lay.world} devices ({lay.cards} cards)"),
-        ("train layout", f"TP{lay.tp} PP{lay.pp} EP{lay.ep}" + (" (moe_tp_extend_ep)" if lay.extend_ep else "")
-         + f", layers per stage {list(lay.layer_list) if lay.layer_list else dims.layers // lay.pp}"),
-        ("train DP per stage", f"{lay.world} / (TP{lay.tp} x PP{lay.pp}) = {dp}"),
-        ("experts per rank (train)", f"{experts_per_train_rank(lay, dims):g}"),
+        ("train layout", f"TP{lay.train.tp} PP{lay.train.pp} EP{lay.train.ep}"
+         + (" (moe_tp_extend_ep)" if lay.train.extend_ep else "")
+         + f", layers per stage {list(lay.train.layer_list) if lay.train.layer_list else dims.layers // lay.train.pp}"),
+        ("train DP per stage", f"{lay.world} / (TP{lay.train.tp} x PP{lay.train.pp}) = {dp}"),
+        ("experts per rank (train)", f"{lay.train.experts_per_rank(dims):g}"),
         ("sequences per step", f"{lay.train_batch} prompts x {lay.n} = {lay.sequences}"),
         ("sequences per train DP rank", f"{per_rank}"),
         ("micro-batches per step (update)", f"{per_rank // lay.micro_batch} per DP rank"

@@ -15,7 +15,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tools.launch import cluster, config, env, inputs, layout, plan, preflight, summary
-from tools.launch.memory import Dims, Estimate
+from tools.launch.memory import Estimate
+from tools.model.dims import dims_from_config
 
 EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
 TENSORBOARD = "tensorboard"  # <run dir>/tensorboard
@@ -58,7 +59,7 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
                                  " settings our forks add under recipe.* or *.megatron.*")
     lay = layout.from_config(cfg)
     raw, dims_source = config.model_dims(recipe)
-    dims = Dims.from_hf(raw)
+    dims = dims_from_config(raw, dims_source)
     gb = device_gb if device_gb is not None else device_memory_gb(lay.accelerator, lay.devices_per_node)
     checks, est = preflight.run(lay, dims, gb)
     input_checks = inputs.input_checks(cfg, lay)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tools.model.errors import ConfigError
 from tools.weights import convert_cli, fp8, tiny_cli
 from tools.weights.io import CheckpointError
-from tools.weights.model import ConfigError
 
 DESCRIPTION = """\
 Prepare DeepSeek-V3/R1 weights for the recipe.

@@ -6,9 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
+from tools.model.dims import dims_from_config
+from tools.model.errors import ConfigError
+from tools.model.parallel import ParallelLayout, checked
 from tools.weights import dist, legacy
+from tools.weights.hf import load_config
 from tools.weights.io import CheckpointError, ShardedReader
-from tools.weights.model import ConfigError, dims_from_config, load_config
 
 LAYOUT_FLAGS = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "num_layer_list": "--num-layer-list",
                 "moe_tp_extend_ep": "--moe-tp-extend-ep"}
@@ -64,15 +67,15 @@ def converted_format(directory: Path) -> str:
         raise CheckpointError(f"{directory}: no manifest.json written by hf-to-mcore") from None
 
 
-def layout_args(args: argparse.Namespace) -> dict:
+def layout_args(args: argparse.Namespace) -> ParallelLayout:
     layers = None
     if args.num_layer_list:
         try:
             layers = [int(x) for x in args.num_layer_list.split(",")]
         except ValueError:
             raise ConfigError(f"--num-layer-list {args.num_layer_list!r}: integers separated by commas") from None
-    return {"tp": args.tp or 1, "pp": args.pp or 1, "ep": args.ep or 1, "layer_list": layers,
-            "tp_extend_ep": bool(args.moe_tp_extend_ep)}
+    return ParallelLayout(tp=args.tp or 1, pp=args.pp or 1, ep=args.ep or 1, extend_ep=bool(args.moe_tp_extend_ep),
+                          layer_list=tuple(layers) if layers else None)
 
 
 def run_hf_to_mcore(args: argparse.Namespace) -> int:
@@ -80,7 +83,7 @@ def run_hf_to_mcore(args: argparse.Namespace) -> int:
         return _torch_dist(args)
     dims = dims_from_config(load_config(args.src))
     if args.dry_run:
-        layout = legacy.make_layout(dims, **layout_args(args))
+        layout = checked(dims, layout_args(args))
         for rel, specs in legacy.plan(dims, layout).items():
             print(f"{rel}: {len(specs)} tensors")
         return 0

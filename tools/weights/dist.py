@@ -52,6 +52,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from tools.model.dims import Dims, dims_from_config
+from tools.weights.hf import hf_shapes, layer_prefix, load_config
 from tools.weights.io import (
     CheckpointError,
     ShardedReader,
@@ -61,7 +63,6 @@ from tools.weights.io import (
     reader_spans,
     sha256,
 )
-from tools.weights.model import Dims, dims_from_config, hf_shapes, layer_prefix, load_config
 
 # What megatron.core.dist_checkpointing.save writes as metadata.json for this backend.
 BACKEND_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from tools.model.errors import ConfigError
+from tools.weights.hf import FP8_BLOCK, load_config, scale_shape
 from tools.weights.io import (
     INDEX,
     MANIFEST,
@@ -48,7 +50,6 @@ from tools.weights.io import (
     atomic_write,
     progress,
 )
-from tools.weights.model import FP8_BLOCK, ConfigError, load_config, scale_shape
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPE = "F8_E4M3"

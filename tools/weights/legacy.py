@@ -24,12 +24,15 @@ import queue
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from tools.model.dims import Dims, dims_from_config
+from tools.model.parallel import ParallelLayout, checked
+from tools.weights.hf import hf_shapes, hf_tensors, load_config
 from tools.weights.io import (
     CheckpointError,
     DirectWriter,
@@ -42,30 +45,19 @@ from tools.weights.io import (
     progress,
     reader_spans,
 )
-from tools.weights.model import ConfigError, Dims, dims_from_config, hf_shapes, hf_tensors, load_config
 
 ITERATION = 1
 LATEST = "latest_checkpointed_iteration.txt"
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    ep: int
-    layers_per_stage: tuple[int, ...]
-    tp_extend_ep: bool
+def ranks(layout: ParallelLayout) -> list[tuple[int, int, int]]:
+    """(tp, pp, ep) of every rank file."""
+    return [(t, p, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)]
 
-    def stage_of(self, stage: int) -> range:
-        start = sum(self.layers_per_stage[:stage])
-        return range(start, start + self.layers_per_stage[stage])
 
-    def ranks(self) -> list[tuple[int, int, int]]:
-        return [(t, p, e) for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
-
-    def file(self, tp: int, pp: int, ep: int) -> str:
-        suffix = f"_{ep:03d}" if self.ep > 1 else ""
-        return f"iter_{ITERATION:07d}/mp_rank_{tp:02d}_{pp:03d}{suffix}/model_optim_rng.pt"
+def rank_file(layout: ParallelLayout, tp: int, pp: int, ep: int) -> str:
+    suffix = f"_{ep:03d}" if layout.ep > 1 else ""
+    return f"iter_{ITERATION:07d}/mp_rank_{tp:02d}_{pp:03d}{suffix}/model_optim_rng.pt"
 
 
 @dataclass(frozen=True)
@@ -84,37 +76,6 @@ class RankTensor:
     cat_dim: int = 0
 
 
-def make_layout(dims: Dims, tp: int, pp: int, ep: int, layer_list: list[int] | None = None,
-                tp_extend_ep: bool = False) -> Layout:
-    """Check the layout against the model; every error names the field and the numbers."""
-    for name, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
-        if value < 1:
-            raise ConfigError(f"{name} is {value}; it must be at least 1")
-    if layer_list is None:
-        if dims.layers % pp:
-            raise ConfigError(f"num_hidden_layers {dims.layers} is not divisible by --pp {pp};"
-                              " pass --num-layer-list with one count per stage")
-        layer_list = [dims.layers // pp] * pp
-    if len(layer_list) != pp or sum(layer_list) != dims.layers or min(layer_list) < 1:
-        raise ConfigError(f"--num-layer-list {','.join(map(str, layer_list))} must have --pp {pp} positive entries"
-                          f" summing to num_hidden_layers {dims.layers} (sums to {sum(layer_list)})")
-    checks = [
-        ("num_attention_heads", dims.heads, tp, "--tp"),
-        ("vocab_size", dims.vocab, tp, "--tp"),
-        ("intermediate_size", dims.intermediate, tp, "--tp"),
-        ("moe_intermediate_size * n_shared_experts", dims.moe_intermediate * dims.shared_experts or tp, tp, "--tp"),
-    ]
-    if tp_extend_ep:
-        checks.append(("n_routed_experts", dims.experts, ep * tp, "--ep * --tp (with --moe-tp-extend-ep)"))
-    else:
-        checks += [("n_routed_experts", dims.experts, ep, "--ep"),
-                   ("moe_intermediate_size", dims.moe_intermediate, tp, "--tp")]
-    for field, value, divisor, flag in checks:
-        if value % divisor:
-            raise ConfigError(f"{field} {value} is not divisible by {flag} = {divisor}")
-    return Layout(tp, pp, ep, tuple(layer_list), tp_extend_ep)
-
-
 def _split(hf: str, size: int, parts: int, index: int, dim: int, transpose: bool = False) -> Piece:
     step = size // parts
     return Piece(hf, dim, index * step, (index + 1) * step, transpose)
@@ -124,18 +85,19 @@ def _whole(hf: str, size: int) -> Piece:
     return Piece(hf, 0, 0, size)
 
 
-def plan(dims: Dims, layout: Layout) -> dict[str, list[RankTensor]]:
-    """Rank file (relative path) -> the tensors it holds, in order."""
-    return {layout.file(t, p, e): _rank_tensors(dims, layout, t, p, e) for t, p, e in layout.ranks()}
+def plan(dims: Dims, layout: ParallelLayout) -> dict[str, list[RankTensor]]:
+    """Rank file (relative path) -> the tensors it holds, in order; `layout` as `checked` returns it."""
+    stages = layout.stages(dims.layers)
+    return {rank_file(layout, t, p, e): _rank_tensors(dims, layout, stages[p], t, p, e) for t, p, e in ranks(layout)}
 
 
-def _rank_tensors(dims: Dims, layout: Layout, tp: int, pp: int, ep: int) -> list[RankTensor]:
+def _rank_tensors(dims: Dims, layout: ParallelLayout, stage: range, tp: int, pp: int, ep: int) -> list[RankTensor]:
     T = layout.tp
     out: list[RankTensor] = []
     if pp == 0:
         out.append(RankTensor("embedding.word_embeddings.weight",
                               (_split("model.embed_tokens.weight", dims.vocab, T, tp, 0),)))
-    for local, layer in enumerate(layout.stage_of(pp)):
+    for local, layer in enumerate(stage):
         hf, mc = f"model.layers.{layer}", f"decoder.layers.{local}"
         attn = f"{hf}.self_attn"
         out += [
@@ -183,14 +145,11 @@ def _gated_mlp(mc: str, hf: str, inner: int, T: int, tp: int) -> list[RankTensor
     ]
 
 
-def _grouped_experts(dims: Dims, layout: Layout, mc: str, hf: str, tp: int, ep: int) -> list[RankTensor]:
+def _grouped_experts(dims: Dims, layout: ParallelLayout, mc: str, hf: str, tp: int, ep: int) -> list[RankTensor]:
     F = dims.moe_intermediate
-    if layout.tp_extend_ep:
-        per_rank = dims.experts // (layout.ep * layout.tp)
-        first, f_parts, f_index = (ep * layout.tp + tp) * per_rank, 1, 0
-    else:
-        per_rank = dims.experts // layout.ep
-        first, f_parts, f_index = ep * per_rank, layout.tp, tp
+    per_rank, f_parts = dims.experts // layout.expert_group, layout.expert_tp
+    group = ep * layout.tp + tp if layout.extend_ep else ep  # extend-EP: rank (ep, tp) holds group ep*TP+tp whole
+    first, f_index = group * per_rank, 0 if layout.extend_ep else tp
     w1, w2 = [], []
     for e in range(first, first + per_rank):
         w1 += [_split(f"{hf}.{e}.gate_proj.weight", F, f_parts, f_index, 0, transpose=True),
@@ -238,10 +197,10 @@ def hf_region(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
 # ---------------------------------------------------------------- hf -> legacy
 
 
-def header(dims_config: dict, layout: Layout, reader: ShardedReader) -> dict:
+def header(dims_config: dict, layout: ParallelLayout, reader: ShardedReader) -> dict:
     """What a destination was made from; a resumed run must match it exactly."""
     weight_map = json.dumps(reader.weight_map, sort_keys=True).encode()
-    return {"format": "legacy", "layout": asdict(layout),
+    return {"format": "legacy", "layout": layout.to_manifest(),
             "config_sha256": hashlib.sha256(json.dumps(dims_config, sort_keys=True).encode()).hexdigest(),
             "weight_map_sha256": hashlib.sha256(weight_map).hexdigest()}
 
@@ -271,14 +230,14 @@ def _file_bytes(specs: list[RankTensor], shapes: dict, itemsize: int = 2) -> int
     return total
 
 
-def hf_to_legacy(src: Path, dst: Path, layout_args: dict, *, resume: bool = False, workers: int = 2,
+def hf_to_legacy(src: Path, dst: Path, layout: ParallelLayout, *, resume: bool = False, workers: int = 2,
                  max_memory_gb: float = 16.0, direct_io: bool = True, say=print) -> Manifest:
     """Write the rank files. Each of `workers` threads builds one file at a time in memory it keeps
     (`RankBuilder`) and streams it through torch.save into a `DirectWriter` (hashed as written,
     around the page cache unless `direct_io` is False); the bytes do not depend on either."""
     config = load_config(src)
     dims = dims_from_config(config, str(src / "config.json"))
-    layout = make_layout(dims, **layout_args)
+    layout = checked(dims, layout)
     reader = ShardedReader(src)
     unused = _check_source(reader, config, dims)
     if unused:
@@ -488,13 +447,12 @@ class RankBuilder:
 # ---------------------------------------------------------------- legacy -> hf, verify
 
 
-def _converted(directory: Path) -> tuple[Layout, dict]:
+def _converted(directory: Path) -> tuple[ParallelLayout, dict]:
     manifest = directory / "manifest.json"
     if not manifest.is_file():
         raise CheckpointError(f"{directory}: no manifest.json; is it a directory written by hf-to-mcore?")
     head = json.loads(manifest.read_text())["header"]
-    lay = head["layout"]
-    return Layout(lay["tp"], lay["pp"], lay["ep"], tuple(lay["layers_per_stage"]), lay["tp_extend_ep"]), head
+    return ParallelLayout.from_manifest(head["layout"]), head
 
 
 def _load_rank(path: Path) -> dict[str, torch.Tensor]:
@@ -514,10 +472,10 @@ def legacy_to_hf(converted: Path, config_dir: Path, dst: Path, say=print) -> Non
     weight_map = {}
     for stage in range(layout.pp):
         tensors: dict[str, torch.Tensor] = {}
-        for t, p, e in layout.ranks():
+        for t, p, e in ranks(layout):
             if p != stage:
                 continue
-            rel = layout.file(t, p, e)
+            rel = rank_file(layout, t, p, e)
             state = _load_rank(converted / rel)
             for spec in files[rel]:
                 for piece, region in piece_regions(spec, state[spec.name], shapes):

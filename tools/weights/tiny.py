@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tools.model.dims import dims_from_config
+from tools.weights.hf import FP8_BLOCK, hf_tensors
 from tools.weights.io import INDEX, atomic_write
-from tools.weights.model import FP8_BLOCK, dims_from_config, hf_tensors
 from tools.weights.tokenizer import write_tokenizer
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

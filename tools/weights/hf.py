@@ -1,80 +1,18 @@
-"""DeepSeek-V3 architecture facts, all read from a HF `config.json` (never hard-coded sizes).
+"""What a HF DeepSeek-V3 checkpoint holds, from its dims (tools/model/dims.py; never hard-coded sizes).
 
-`Dims` carries the sizes the converters need, and `hf_tensors` lists every tensor a HF checkpoint of
-that config holds, with its shape and whether DeepSeek's FP8 release quantises it (block-wise, with a
-`<name>_scale_inv` companion).
+`hf_tensors` lists every tensor of a checkpoint of that config, with its shape and whether DeepSeek's
+FP8 release quantises it (block-wise, with a `<name>_scale_inv` companion).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
+from tools.model.dims import Dims
+from tools.model.errors import ConfigError
+
 FP8_BLOCK = 128
-
-
-class ConfigError(ValueError):
-    """config.json lacks a field or holds an inconsistent value; the message names it."""
-
-
-@dataclass(frozen=True)
-class Dims:
-    vocab: int
-    hidden: int
-    layers: int
-    dense_layers: int  # first_k_dense_replace
-    intermediate: int  # dense MLP
-    moe_intermediate: int  # per routed expert
-    experts: int
-    shared_experts: int
-    heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope: int
-    qk_rope: int
-    v_head: int
-    tie_embeddings: bool
-
-    @property
-    def qk_head(self) -> int:
-        return self.qk_nope + self.qk_rope
-
-    def is_moe(self, layer: int) -> bool:
-        return layer >= self.dense_layers
-
-
-FIELDS = {
-    "vocab": "vocab_size",
-    "hidden": "hidden_size",
-    "layers": "num_hidden_layers",
-    "dense_layers": "first_k_dense_replace",
-    "intermediate": "intermediate_size",
-    "moe_intermediate": "moe_intermediate_size",
-    "experts": "n_routed_experts",
-    "shared_experts": "n_shared_experts",
-    "heads": "num_attention_heads",
-    "q_lora_rank": "q_lora_rank",
-    "kv_lora_rank": "kv_lora_rank",
-    "qk_nope": "qk_nope_head_dim",
-    "qk_rope": "qk_rope_head_dim",
-    "v_head": "v_head_dim",
-}
-
-
-def dims_from_config(config: dict, where: str = "config.json") -> Dims:
-    values = {}
-    for attr, key in FIELDS.items():
-        value = config.get(key)
-        if not isinstance(value, int) or value < 0 or (value == 0 and attr not in ("dense_layers", "shared_experts")):
-            raise ConfigError(f"{where}: `{key}` is {value!r}; a DeepSeek-V3 config needs a positive integer there")
-        values[attr] = value
-    if config.get("model_type") not in (None, "deepseek_v3"):
-        raise ConfigError(f"{where}: model_type is {config.get('model_type')!r}, expected 'deepseek_v3'")
-    dims = Dims(**values, tie_embeddings=bool(config.get("tie_word_embeddings", False)))
-    if dims.dense_layers > dims.layers:
-        raise ConfigError(f"{where}: first_k_dense_replace {dims.dense_layers} > num_hidden_layers {dims.layers}")
-    return dims
 
 
 def load_config(directory: Path) -> dict:
