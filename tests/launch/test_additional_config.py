@@ -27,15 +27,12 @@ def load_tiny_on_a3(*overrides: str):
 
 
 @pytest.mark.parametrize("name", A3)
-def test_a3_profiles_carry_the_rollout_settings(name):
+def test_a3_profiles_pass_the_engine_checks_in_graph_mode(name):
+    """The settings vLLM-Ascend reads are known keys with values it accepts; graph mode (the point of the A3
+    profiles' additional_config) is on, with the scheduler that its NZ KV cache needs."""
     cfg = load(name)
     settings = config.vllm_engine_settings(cfg)
-    assert settings == config.AscendEngine(
-        config.TorchairGraph(enabled=True, graph_batch_sizes=(64,), enable_multistream_mla=True,
-                             enable_multistream_moe=True, enable_view_optimize=False, enable_kv_nz=True),
-        ascend_scheduler=True, dp_sync_on_device=True)
-    assert config.value(cfg, f"{ENGINE}.max_num_seqs") == config.value(cfg, config.MAX_NUM_SEQS) == 64
-    assert config.value(cfg, f"{EXTRA}.refresh") is True
+    assert settings.torchair.enabled and settings.torchair.enable_kv_nz and settings.ascend_scheduler
     assert config.unknown_keys(cfg, config.verl_base()) == []
 
 
@@ -118,13 +115,3 @@ def test_combinations_vllm_ascend_refuses_stop_here(overrides, match):
 def test_the_graph_switch_and_its_key_cannot_disagree():
     with pytest.raises(config.ConfigError, match=rf"{GRAPH}\.enabled = True but recipe.rollout.torchair_graph"):
         load_tiny_on_a3(f"{GRAPH}.enabled=true")  # cpu-tiny: torchair_graph false
-
-
-def test_enabled_rebalance_buckets_must_be_captured_graph_sizes():
-    key = "recipe.rollout.rebalance"
-    with pytest.raises(config.ConfigError, match=rf"{key}\.buckets \[1, 2, 4, 8, 16, 32\] are not captured"):
-        load("a3-128-true-weight", f"{key}.enable=true")
-    ok = load("a3-128-true-weight", f"{key}.enable=true", f"{GRAPH}.graph_batch_sizes=[8,16,32,64]",
-              f"{key}.buckets=[8,16,32,64]")
-    assert config.rebalance_settings(ok).buckets == config.vllm_engine_settings(ok).torchair.graph_batch_sizes
-    load("a3-128-true-weight", f"{key}.enable=true", f"{key}.buckets=[64]")  # max_num_seqs is always captured

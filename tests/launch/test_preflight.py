@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -19,14 +20,15 @@ def checks_for(name: str, *overrides: str, device_gb: float = 64.0) -> list[pref
     return checks
 
 
-@pytest.mark.parametrize("name", ["a3-128-true-weight", "a3-128-random-init"])
-def test_a3_profiles_pass(name):
+@pytest.mark.parametrize("name,rollout", [("a3-128-true-weight", "64 x TP2 x 2 = 256 vs 256"),
+                                           ("a3-128-random-init", "128 x TP2 x 1 = 256 vs 256")])
+def test_a3_profiles_pass(name, rollout):
     checks = checks_for(name)
-    assert len(checks) >= 30
     assert [c.message() for c in checks if not c.ok] == []
     table = preflight.render(checks)
     assert table.splitlines()[0].split() == ["check", "value", "rule", "ok"]
-    assert "256 % (4 x 8)" in table and "64 x TP2 x 2 = 256 vs 256" in table or "128 x TP2 x 1" in table
+    assert "256 % (4 x 8)" in table
+    assert rollout in table
 
 
 BROKEN = [
@@ -38,11 +40,9 @@ BROKEN = [
       AM + "num_layer_list=[61]"], AM + "expert_model_parallel_size", "256 % 512"),
     ([AM + "expert_model_parallel_size=16"], AM + "expert_model_parallel_size", "DP*TP = 32 % (EP*ETP = 64)"),
     ([AM + "expert_tensor_parallel_size=4"], AM + "expert_tensor_parallel_size", "etp=4"),
-    ([AM + "num_layer_list=[8,8,8,8,8,8,13]"], AM + "num_layer_list", "= 7 vs PP 8"),
     ([AM + "num_layer_list=[8,8,8,8,8,8,8,8]"], AM + "num_layer_list", "sum = 64 vs 61"),
     ([AM + "override_transformer_config.recompute_num_layers=9"],
      AM + "override_transformer_config.recompute_num_layers", "9 vs largest stage 8"),
-    ([AM + "optimizer_offload=true"], AM + "swap_optimizer", "optimizer_offload=True"),
     (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=8"],
      "actor_rollout_ref.ref.megatron.tensor_model_parallel_size", "ref TP8"),
     (["recipe.rollout.data_parallel_size=32"], "recipe.rollout.data_parallel_size", "32 x TP2 x 2 = 128"),
@@ -59,9 +59,6 @@ BROKEN = [
     ([R + "gpu_memory_utilization=1.2"], R + "gpu_memory_utilization", "1.2"),
     ([R + "free_cache_engine=true"], R + "free_cache_engine", "free_cache_engine=True"),
     (["data.train_batch_size=500", A + "ppo_mini_batch_size=500"], "data.train_batch_size", "8000 % 128 engines"),
-    ([A + "ppo_mini_batch_size=256"], A + "ppo_mini_batch_size", "mini 256 vs batch 512"),
-    ([A + "ppo_micro_batch_size_per_gpu=3"], A + "ppo_micro_batch_size_per_gpu", "= 1024 % 3"),
-    ([A + "ppo_epochs=2"], A + "ppo_mini_batch_size", "epochs 2"),
     ([R + "n=1"], R + "n", "n=1"),
     (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward", "use_kl_in_reward=True"),
     (["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=7"],
@@ -84,6 +81,22 @@ def test_broken_variant_fails_naming_the_field(overrides, field, fragment):
     assert named, f"{overrides}: failures name {[c.field for c in failed]}, not {field}"
     assert any(fragment in c.value for c in named), [c.value for c in named]
     assert named[0].message().startswith(field + ":")
+
+
+def test_recompute_layers_are_bounded_by_the_largest_stage_without_a_layer_list():
+    """64 layers over PP8 without a layer list: 8 per stage, so block recompute of 9 layers cannot run."""
+    recipe = config.load(CONFIGS / "a3-128-true-weight.yaml", [AM + "num_layer_list=null"])
+    dims = dataclasses.replace(memory.Dims.from_hf(config.model_dims(recipe)[0]), layers=64)
+    lay = layout.from_config(recipe.cfg)
+
+    def recompute(num_layers: int) -> preflight.Check:
+        checks = preflight.megatron_checks(dataclasses.replace(lay, recompute_num_layers=num_layers), dims)
+        return next(c for c in checks if c.field == AM + "override_transformer_config.recompute_num_layers")
+
+    assert recompute(8).ok
+    too_many = recompute(9)
+    assert not too_many.ok, too_many.value
+    assert too_many.value == "9 vs largest stage 8"
 
 
 def test_memory_estimate_of_the_true_weight_profile():
@@ -167,7 +180,8 @@ def test_required_paths_are_named_with_how_to_set_them(tmp_path):
 def test_unknown_verl_key_is_refused():
     recipe = config.load(CONFIGS / "a3-128-true-weight.yaml", [R + "gpu_mem_utilization=0.5",
                                                                AM + "anything_the_forks_add=1"])
-    assert config.unknown_keys(recipe.cfg, config.verl_base()) == [R + "gpu_mem_utilization"]
+    assert sorted(config.unknown_keys(recipe.cfg, config.verl_base())) == [AM + "anything_the_forks_add",
+                                                                            R + "gpu_mem_utilization"]
 
 
 def test_bad_override_and_missing_launch_block_are_named(tmp_path):

@@ -96,7 +96,6 @@ def test_a3_profiles_carry_the_reference_values():
     random_cfg = config.load(ROOT / "recipes/deepseek_r1/configs/a3-128-random-init.yaml").cfg
     assert config.value(true_cfg, "actor_rollout_ref.actor.megatron.override_transformer_config") == {
         "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 8}
-    assert config.value(random_cfg, "recipe.rollout.fix_router") is True
     assert config.value(random_cfg, "actor_rollout_ref.rollout.ignore_eos") is True
     assert config.value(random_cfg, "recipe.weights.load") is False
 

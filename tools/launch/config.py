@@ -1,19 +1,23 @@
 """Recipe configs: load with overrides, check keys against verl's own config, build the verl config.
 
-A recipe config is a verl config (keys of verl's ppo_megatron_trainer.yaml) plus `launch:` (read here
-only) and `recipe:` (our forks' settings). Keys verl does not have are refused, except where our fork
-series adds settings: under the Megatron blocks and under `recipe:`.
+A recipe config is a verl config (keys of verl's ppo_megatron_trainer.yaml, which in our series declares the
+series' own keys too) plus `launch:` and `recipe:`, which only the launcher reads (`recipe:` is typed by
+RecipeSettings). Keys verl does not have are refused, naming the nearest known key. The rules of verl's settings
+live in our verl series (verl/trainer/config/series_settings.py), which check_series runs.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import importlib
+import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
+from omegaconf.errors import ConfigKeyError, InterpolationToMissingValueError, MissingMandatoryValue, ValidationError
 
 from tools.model.errors import ConfigError
 
@@ -23,14 +27,16 @@ VERL_CONFIG = "verl/trainer/config/ppo_megatron_trainer.yaml"
 VERL_CONFIGS = {"megatron": VERL_CONFIG, "fsdp": "verl/trainer/config/ppo_trainer.yaml",
                 "fsdp2": "verl/trainer/config/ppo_trainer.yaml"}
 ENGINE_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"  # verl 0.4.0 passes it to vllm.LLM(**...)
-# Where a key may be new to verl: blocks our forks read (MindSpeed features, recompute, recipe settings) and
-# vLLM's engine arguments (each checked by vllm_engine_settings).
-EXTENSION_PREFIXES = ("launch.", "recipe.", "actor_rollout_ref.actor.megatron.", "actor_rollout_ref.ref.megatron.",
-                      ENGINE_KWARGS + ".")
-REBALANCE = "recipe.rollout.rebalance"
-KV_TRANSFER_MODES = ("ship", "reprefill")  # verl/workers/rollout/rebalance/migrate.py (our verl series)
-RESHARD = "actor_rollout_ref.rollout.reshard"  # verl/utils/reshard/weight_sync.py (our verl series)
-RESHARD_MODES = ("directed", "gather")
+# Where a key may be new to verl: `launch:`, `recipe:` (typed by RecipeSettings) and vLLM's engine arguments (each
+# checked by vllm_engine_settings).
+EXTENSION_PREFIXES = ("launch.", "recipe.", ENGINE_KWARGS + ".")
+# Free-form maps inside verl's Megatron blocks. override_transformer_config goes into Megatron-core's
+# (MLA)TransformerConfig, whose fields check its keys. mindspeed.args holds MindSpeed-LLM argument names: only an
+# installed MindSpeed-LLM knows them (it is not installable off Ascend), so that map stays open.
+TRANSFORMER_OVERRIDES = ("actor_rollout_ref.actor.megatron.override_transformer_config.",
+                         "actor_rollout_ref.ref.megatron.override_transformer_config.")
+OPEN_MAPS = ("actor_rollout_ref.actor.megatron.mindspeed.args.",)
+INSTALL = "`nox -s install` or `python -m tools.install --device cpu`"
 REQUIRED_LAUNCH = ("launch.nodes", "launch.devices_per_node", "launch.accelerator", "launch.env_profile",
                    "launch.ray.port", "launch.ray.dashboard_port")
 
@@ -48,6 +54,53 @@ class Recipe:
         return self.path.stem
 
 
+@dataclass
+class RecipeWeights:
+    load: bool = False  # true: start from recipe.weights.mcore_checkpoint; false: random init (Megatron's own)
+    mcore_checkpoint: str | None = None  # the converted Megatron checkpoint (tools.weights), relative to the config
+
+
+@dataclass
+class RecipeRollout:
+    data_parallel_size: int = 1  # vLLM DP engines per rollout instance (verl: rollout.data_parallel_size)
+    instances: int = 1  # rollout instances over the world; DP x TP x instances == world
+    expert_parallel_size: int = 1  # vLLM EP inside an instance (== DP x TP with vLLM, 1 without)
+    torchair_graph: bool = False  # vLLM-Ascend graph decode (interpolated into additional_config.torchair_graph_config)
+
+
+@dataclass
+class RecipeSettings:
+    """`recipe:`, read only by the launcher: its keys, types and defaults (OmegaConf refuses any other)."""
+
+    model_dims: str | None = None  # architecture yaml, relative to the config, when model.path has no config.json
+    weights: RecipeWeights = field(default_factory=RecipeWeights)
+    rollout: RecipeRollout = field(default_factory=RecipeRollout)
+
+
+def recipe_settings(cfg: DictConfig) -> DictConfig:
+    """`recipe:` checked against RecipeSettings: an unknown key or a wrong type names the key (and the nearest
+    known one)."""
+    block = cfg.get("recipe") if isinstance(cfg, DictConfig) else None
+    schema = OmegaConf.structured(RecipeSettings)
+    if block is None:
+        return schema
+    try:
+        merged = OmegaConf.merge(schema, block)
+    except ConfigKeyError as exc:
+        parent, _, key = f"recipe.{exc.full_key}".rpartition(".")
+        known = list(OmegaConf.select(OmegaConf.create({"recipe": schema}), parent).keys())
+        raise ConfigError(f"{parent}.{key} is not a recipe setting{_did_you_mean(key, known)}; known under"
+                          f" {parent}: {', '.join(known)}") from None
+    except ValidationError as exc:
+        raise ConfigError(f"recipe.{exc.full_key}: {exc.msg.splitlines()[0]}") from None
+    return merged
+
+
+def _did_you_mean(key: str, known) -> str:
+    near = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
 def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """The config file with `key=value` overrides merged on top (OmegaConf dotlist syntax)."""
     path = Path(path)
@@ -62,9 +115,8 @@ def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
             raise ConfigError(f"{path}: {key} is not set; every recipe config has a launch block"
                               " (nodes, devices_per_node, accelerator, env_profile, ray.port, ray.dashboard_port)")
     try:
+        recipe_settings(cfg)
         accelerator_settings(cfg)
-        rebalance_settings(cfg)
-        reshard_settings(cfg)
         vllm_engine_settings(cfg)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
@@ -115,87 +167,10 @@ def accelerator_settings(cfg: DictConfig) -> None:
             f"{key}: true ({why})" for key, why in on) + ": set " + ", ".join(f"{key}=false" for key, _ in on))
 
 
-@dataclass(frozen=True)
-class Rebalance:
-    """recipe.rollout.rebalance: move live sequences between vLLM DP engines (our verl series, rebalance/)."""
-
-    enable: bool = False
-    check_interval: int = 64  # engine steps between load checks
-    buckets: tuple[int, ...] = ()  # captured-graph batch sizes, increasing; () = powers of 2 up to max_num_seqs
-    kv_usage_cap: float = 0.9  # engines above this KV usage receive nothing; receivers stay under it
-    kv_transfer: str = "ship"  # ship: copy the moved sequences' KV blocks; reprefill: recompute them
-
-
 def _flag(key: str, v) -> bool:
     if not isinstance(v, bool):
         raise ConfigError(f"{key} must be true or false, got {v!r}")
     return v
-
-
-def rebalance_settings(cfg: DictConfig) -> Rebalance:
-    """The rebalance block, checked: every key known, every value in range. Absent = off. recipe.* is open
-    to our forks' settings, so a misspelt key here would otherwise pass unnoticed."""
-    block = settings_block(cfg, REBALANCE, Rebalance)
-    if block is None:
-        return Rebalance()
-    r = Rebalance()
-    enable, interval = block.get("enable", r.enable), block.get("check_interval", r.check_interval)
-    buckets, cap = block.get("buckets", list(r.buckets)), block.get("kv_usage_cap", r.kv_usage_cap)
-    mode = block.get("kv_transfer", r.kv_transfer)
-    _flag(f"{REBALANCE}.enable", enable)
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        raise ConfigError(f"{REBALANCE}.check_interval must be an integer >= 1 (engine steps), got {interval!r}")
-    if not isinstance(buckets, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in buckets) \
-            or any(b < 1 for b in buckets) or any(a >= b for a, b in zip(buckets, buckets[1:], strict=False)):
-        raise ConfigError(f"{REBALANCE}.buckets must be strictly increasing positive integers (graph batch"
-                          f" sizes, e.g. [1, 2, 4, 8, 16, 32, 64]) or [] for powers of 2, got {buckets!r}")
-    max_seqs = value(cfg, "actor_rollout_ref.rollout.max_num_seqs")
-    if enable and buckets and isinstance(max_seqs, int) and buckets[-1] > max_seqs:  # off: no run to stop
-        raise ConfigError(f"{REBALANCE}.buckets: {buckets[-1]} exceeds actor_rollout_ref.rollout.max_num_seqs"
-                          f" = {max_seqs}, an engine never runs that many; drop it or raise max_num_seqs")
-    if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap <= 1:
-        raise ConfigError(f"{REBALANCE}.kv_usage_cap must be a fraction in (0, 1], got {cap!r}")
-    if mode not in KV_TRANSFER_MODES:
-        raise ConfigError(f"{REBALANCE}.kv_transfer must be one of {', '.join(KV_TRANSFER_MODES)}, got {mode!r}")
-    dp = value(cfg, "recipe.rollout.data_parallel_size", 1)
-    if enable and isinstance(dp, int) and dp < 2:
-        raise ConfigError(f"{REBALANCE}.enable is true but recipe.rollout.data_parallel_size is {dp}: rebalancing"
-                          " moves sequences between DP engines and needs at least 2")
-    return Rebalance(enable, interval, tuple(buckets), float(cap), mode)
-
-
-@dataclass(frozen=True)
-class Reshard:
-    """actor_rollout_ref.rollout.reshard: the train -> rollout weight-sync path (verl's yaml: gather)."""
-
-    tp_pp: str = "gather"  # directed: per layer slot, gather in TP, one all_to_all over PP
-    experts: str = "gather"  # directed: each routed expert only to its rollout owners (one all_to_all per slot)
-    fallback: bool = False  # no directed plan for the layout: gather (true) or stop (false)
-
-
-def reshard_settings(cfg: DictConfig) -> Reshard:
-    """The reshard block, checked as the worker will check it, plus the layout limit it checks only at
-    start-up (no directed plan with a virtual pipeline), so that a run stops here rather than on the cluster."""
-    block = settings_block(cfg, RESHARD, Reshard)
-    if block is None:
-        return Reshard()
-    r = Reshard(**block)
-    for key in ("tp_pp", "experts"):
-        if getattr(r, key) not in RESHARD_MODES:
-            raise ConfigError(f"{RESHARD}.{key} must be one of {', '.join(RESHARD_MODES)}, got {getattr(r, key)!r}")
-    _flag(f"{RESHARD}.fallback", r.fallback)
-    vpp = value(cfg, "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size")
-    if r.tp_pp == "directed" and not r.fallback and isinstance(vpp, int) and vpp > 1:
-        raise ConfigError(f"{RESHARD}.tp_pp=directed has no plan with a virtual pipeline"
-                          f" (actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size = {vpp}):"
-                          f" set {RESHARD}.tp_pp=gather or {RESHARD}.fallback=true")
-    engine_ep = value(cfg, ENGINE_KWARGS + ".enable_expert_parallel")
-    # the HF rollout (cpu-tiny) holds every expert on every rank: the directed plan sends each rank all of them
-    if r.experts == "directed" and value(cfg, "actor_rollout_ref.rollout.name", "vllm") == "vllm" \
-            and engine_ep is not True:
-        raise ConfigError(f"{RESHARD}.experts=directed sends each rollout rank only the experts it serves, which needs"
-                          f" vLLM's expert parallelism: set {ENGINE_KWARGS}.enable_expert_parallel=true")
-    return r
 
 
 ADDITIONAL_CONFIG = ENGINE_KWARGS + ".additional_config"  # vLLM's EngineArgs.additional_config -> vLLM-Ascend
@@ -299,7 +274,6 @@ def vllm_engine_settings(cfg: DictConfig) -> AscendEngine:
     on = _ascend_scheduler(cfg, t)
     dp_sync = _flag(f"{ADDITIONAL_CONFIG}.dp_sync_on_device", value(cfg, f"{ADDITIONAL_CONFIG}.dp_sync_on_device",
                                                                      False))
-    _check_rebalance_buckets(cfg, t)
     return AscendEngine(t, on, dp_sync)
 
 
@@ -329,20 +303,6 @@ def _ascend_scheduler(cfg: DictConfig, t: TorchairGraph) -> bool:
     return on
 
 
-def _check_rebalance_buckets(cfg: DictConfig, t: TorchairGraph) -> None:
-    """Rebalancing moves sequences so that engines decode in a smaller graph: only captured sizes help."""
-    r = rebalance_settings(cfg)
-    max_seqs = value(cfg, MAX_NUM_SEQS)
-    if not (r.enable and t.enabled and r.buckets and isinstance(max_seqs, int)):
-        return
-    captured = set(t.graph_batch_sizes or (1,)) | {max_seqs}  # vLLM-Ascend always adds max_num_seqs
-    missing = [b for b in r.buckets if b not in captured]
-    if missing:
-        raise ConfigError(f"{REBALANCE}.buckets {missing} are not captured graph sizes ({TORCHAIR}.graph_batch_sizes"
-                          f" {list(t.graph_batch_sizes)} + max_num_seqs): add them to graph_batch_sizes or drop"
-                          " them from the buckets")
-
-
 def verl_base(root: Path = ROOT, strategy: str = "megatron") -> DictConfig:
     """verl's own trainer config for an actor strategy (Megatron's by default): from our fork's tree, else from
     the installed verl."""
@@ -351,8 +311,6 @@ def verl_base(root: Path = ROOT, strategy: str = "megatron") -> DictConfig:
     rel = VERL_CONFIGS[strategy]
     candidates = [root / "third_party" / "verl" / rel]
     try:
-        import importlib.util
-
         spec = importlib.util.find_spec("verl")
         if spec and spec.origin:
             candidates.append(Path(spec.origin).parent.parent / rel)
@@ -383,14 +341,70 @@ def leaf_keys(node, prefix: str = "") -> list[str]:
 
 
 def unknown_keys(cfg: DictConfig, base: DictConfig) -> list[str]:
-    """Keys of the recipe that verl's config does not have, outside the blocks our forks extend."""
+    """Keys of the recipe that verl's config does not have (or, in override_transformer_config, that Megatron-core's
+    TransformerConfig does not have), outside the blocks the launcher checks itself and the open maps."""
     out = []
     for key in leaf_keys(cfg):
-        if key.startswith(EXTENSION_PREFIXES):
+        if key.startswith(EXTENSION_PREFIXES + OPEN_MAPS):
             continue
-        if OmegaConf.select(base, key, default="<absent>") == "<absent>" and not _is_dict_in(base, key):
+        if key.startswith(TRANSFORMER_OVERRIDES):
+            if key.split(".")[4] not in transformer_config_fields():
+                out.append(key)
+        elif OmegaConf.select(base, key, default="<absent>") == "<absent>" and not _is_dict_in(base, key):
             out.append(key)
     return out
+
+
+def nearest_key(key: str, base: DictConfig) -> str | None:
+    """The known key closest to a misspelt one: a sibling in verl's config (or a TransformerConfig field)."""
+    parent, _, name = key.rpartition(".")
+    if key.startswith(TRANSFORMER_OVERRIDES):
+        known = transformer_config_fields()
+    else:
+        node = OmegaConf.select(base, parent, default=None) if parent else base
+        known = list(node.keys()) if isinstance(node, DictConfig) else []
+    near = difflib.get_close_matches(name, known, n=1)
+    return f"{parent}.{near[0]}" if near else None
+
+
+def transformer_config_fields() -> frozenset[str]:
+    """Fields of Megatron-core's MLATransformerConfig (a superset of TransformerConfig's: DeepSeek-V3 builds it)."""
+    import dataclasses
+
+    try:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+    except ImportError as exc:
+        raise ConfigError(f"megatron.core is not importable ({exc}): the keys of override_transformer_config cannot"
+                          f" be checked; install the stack: {INSTALL}") from None
+    return frozenset(f.name for f in dataclasses.fields(MLATransformerConfig))
+
+
+def refuse_unknown_keys(cfg: DictConfig, base: DictConfig) -> None:
+    """ConfigError naming the first unknown key and the nearest known one."""
+    unknown = unknown_keys(cfg, base)
+    if not unknown:
+        return
+    near = nearest_key(unknown[0], base)
+    hint = f"did you mean {near}?" if near else "check the spelling"
+    where = ("a field of Megatron-core's TransformerConfig" if unknown[0].startswith(TRANSFORMER_OVERRIDES)
+             else "a key of verl's trainer config for this actor strategy")
+    raise ConfigError(f"{unknown[0]} is not {where} ({len(unknown)} unknown: {', '.join(unknown[:5])}); {hint}")
+
+
+def check_series(cfg: DictConfig, base: DictConfig) -> None:
+    """Run our verl series' own check of its settings (the one the trainer runs at start) on the config verl
+    will get; ConfigError naming the field of the first problem."""
+    try:
+        series_settings = importlib.import_module("verl.trainer.config.series_settings")
+    except ImportError as exc:
+        raise ConfigError(f"verl (our series) is not importable here ({exc}): the checks of verl's settings (on-policy"
+                          " skip, batch divisions, reshard, rollout lifecycle, TensorCache limits, layer lists) could"
+                          f" not run; install the stack: {INSTALL}") from None
+    problems = series_settings.check(verl_config(cfg, base))
+    if problems:
+        more = f" (and {len(problems) - 1} more: {', '.join(p.field for p in problems[1:4])})" if len(problems) > 1 \
+            else ""
+        raise ConfigError(f"{problems[0].field}: {problems[0].message}{more}")
 
 
 def _is_dict_in(base: DictConfig, key: str) -> bool:

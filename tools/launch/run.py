@@ -52,11 +52,9 @@ def device_memory_gb(accelerator: str, devices_per_node: int) -> float:
 def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root: Path,
             python: str = sys.executable, ray_bin: str = "ray", device_gb: float | None = None) -> Prepared:
     cfg = recipe.cfg
-    unknown = config.unknown_keys(cfg, config.verl_base_for(cfg))
-    if unknown:
-        raise config.ConfigError(f"{unknown[0]} is not a key of verl's trainer config for this actor strategy"
-                                 f" ({len(unknown)} unknown: {', '.join(unknown[:5])}); check the spelling, or put"
-                                 " settings our forks add under recipe.* or *.megatron.*")
+    base = config.verl_base_for(cfg)
+    config.refuse_unknown_keys(cfg, base)
+    config.check_series(cfg, base)  # verl's settings, by our verl series' own validators
     lay = layout.from_config(cfg)
     raw, dims_source = config.model_dims(recipe)
     dims = dims_from_config(raw, dims_source)
