@@ -86,7 +86,7 @@ def test_broken_variant_fails_naming_the_field(overrides, field, fragment):
 def test_recompute_layers_are_bounded_by_the_largest_stage_without_a_layer_list():
     """64 layers over PP8 without a layer list: 8 per stage, so block recompute of 9 layers cannot run."""
     recipe = config.load(CONFIGS / "a3-128-true-weight.yaml", [AM + "num_layer_list=null"])
-    dims = dataclasses.replace(memory.Dims.from_hf(config.model_dims(recipe)[0]), layers=64)
+    dims = dataclasses.replace(dims_from_config(config.model_dims(recipe)[0]), layers=64)
     lay = layout.from_config(recipe.cfg)
 
     def recompute(num_layers: int) -> preflight.Check:
