@@ -3,7 +3,7 @@ it issues and the transient memory of the directed path (TP gather, then one all
 slot) vs verl's gather path (per parameter: broadcast the shard over PP, all-gather it in TP).
 
 1. Measured: 8 gloo processes (TP2 PP4, layer list 1,2,2,3, two dense first layers), both paths run on
-   the same fake model; bytes counted on the collectives (verl/utils/reshard/traffic.py).
+   the same fake model; bytes counted on the collectives (tests/traffic.py).
 2. Computed by the planner of our verl series for the A3 layout: TP4 PP8, 61 layers as 7,7,8,8,8,8,8,7,
    the first 3 dense, DeepSeek-V3 sizes (Megatron MLA parameter names and shapes, bf16, fp32 expert bias).
 

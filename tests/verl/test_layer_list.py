@@ -144,33 +144,6 @@ def recipe_overrides(layers, **extra):
     return layer_list.transformer_config_overrides(block, "actor_rollout_ref.actor.megatron")
 
 
-# -- the list from the recipe config into the TransformerConfig ---------------------------------
-
-
-@pytest.mark.parametrize("value", [DSV3_LIST, "7,7,8,8,8,8,8,7", " 7, 7,8,8,8,8,8,7 ", OmegaConf.create(DSV3_LIST)])
-def test_overrides_carry_the_list_as_ints(value):
-    got = recipe_overrides(value)
-    assert got == {"recompute_granularity": "selective", "num_layer_list": DSV3_LIST}
-    assert all(type(n) is int for n in got["num_layer_list"])  # MindSpeed-LLM indexes it per stage
-
-
-def test_unset_list_leaves_the_overrides_alone():
-    assert recipe_overrides(None) == {"recompute_granularity": "selective"}
-    empty = OmegaConf.create({"override_transformer_config": {}})
-    assert layer_list.transformer_config_overrides(empty, "actor_rollout_ref.ref.megatron") == {}
-
-
-@pytest.mark.parametrize(
-    ("value", "extra", "message"),
-    [
-        ("7,7,x", {}, r"actor_rollout_ref\.actor\.megatron\.num_layer_list='7,7,x': expected integers"),
-        ([7, 7.5], {}, r"actor_rollout_ref\.actor\.megatron\.num_layer_list=\[7, 7\.5\]: entries must be ints"),
-        ([1, 3], {"num_layer_list": [2, 2]}, r"override_transformer_config\.num_layer_list=\[2, 2\] disagree"),
-    ],
-)
-def test_bad_settings_name_the_field(value, extra, message):
-    with pytest.raises(ValueError, match=message):
-        recipe_overrides(value, **extra)
 
 
 # -- verl's layer offsets and global layer names ----------------------------------------------

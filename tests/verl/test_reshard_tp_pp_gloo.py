@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import traffic
 from tests.verl.conftest import require, run_forked
 
 tp_pp = require("verl.utils.reshard.tp_pp")
 exchange = require("verl.utils.reshard.tp_pp_exchange")
-traffic = require("verl.utils.reshard.traffic")
 
 HIDDEN, FFN, VOCAB, EXPERTS = 8, 12, 16, 4
 

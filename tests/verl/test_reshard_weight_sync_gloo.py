@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import traffic
 from tests.gloo import run_processes
 from tests.verl.conftest import owner_of, require
 from tests.verl.test_reshard_tp_pp_gloo import full_tensor, global_name, shard, stage_params
 
 weight_sync = require("verl.utils.reshard.weight_sync")
-traffic = require("verl.utils.reshard.traffic")
 mpu = require("megatron.core.parallel_state")
 megatron_utils = require("verl.utils.megatron_utils")
 
