@@ -66,7 +66,7 @@ def tests(session: nox.Session) -> None:
     if Path("third_party/vllm-ascend/vllm_ascend").is_dir():
         session.run(sys.executable, "-m", "tools.forks", "apply", "vllm-ascend", external=True)
     session.run(python, "-m", "pytest", *session.posargs, external=True,
-                env={"RL_RECIPE_TEST_HARD_EXIT": "1", "PYTHONFAULTHANDLER": "1", REQUIRE_STACK: require})
+                env={"PYTHONFAULTHANDLER": "1", REQUIRE_STACK: require})
     if not session.posargs:  # the tests our patches add to the forks' own trees, against the installed stack
         session.run(python, "-m", "tools.forks", "test", "--profile", "cpu", external=True)
 
