@@ -185,8 +185,9 @@ def test_cached_flow_hands_each_train_rank_the_rows_of_collect_then_split():
         assert sorted(got) == sorted((*keys, "advantages"))
         for key in got:
             assert torch.equal(got[key], split.batch[key]), f"rank {rank}: {key} differs from the driver's split"
-        # rollout DP 4 -> train DP 2: each rank already holds 4 of its 8 rows; only the other 4 travel
-        assert results[rank]["moved_ref"] == 4 * row_bytes and results[rank]["calls_ref"] == len(flow.MODEL_INPUTS)
+        # rollout DP 4 -> train DP 2: each rank already holds 4 of its 8 rows; only the other 4 travel, every
+        # model input packed into one all_to_all
+        assert results[rank]["moved_ref"] == 4 * row_bytes and results[rank]["calls_ref"] == 1
         # ref -> update: the same layout, no collective at all
         assert results[rank]["moved_update"] == 0 and results[rank]["calls_update"] == 0
         assert results[rank]["cache_left"] == []  # the update frees the step's batch
