@@ -1,5 +1,6 @@
 """The CPU backend of our verl series: each guarded change, exercised on this CPU machine. The CPU device's memory
-and seeding calls (verl/utils/cpu_device.py) are tested in the fork's tests/utils/test_cpu_device.py.
+and seeding calls (verl/utils/cpu_device.py) and the FSDP workers' CPU guards are tested in the fork's
+tests/utils/test_cpu_device.py and tests/workers/test_cpu_fsdp_guards.py.
 
 The end-to-end proof (verl's GRPO trainer on FSDP + HF rollout, through the launcher) is tests/recipes/test_smoke.py.
 """
@@ -22,10 +23,6 @@ def test_cpu_machine_is_seen_as_cpu():
     assert device.get_device_name() == "cpu"
 
 
-def test_attention_defaults_to_sdpa_on_cpu():
-    assert device.default_attn_implementation() == "sdpa"
-
-
 def _all_reduce_worker(rank, port, world, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from verl.utils.device import get_dist_backend
@@ -40,13 +37,6 @@ def _all_reduce_worker(rank, port, world, results):
 def test_dist_backend_is_gloo_on_cpu_and_runs_a_collective():
     results = run_forked(_all_reduce_worker, 2, 2)
     assert results == {0: ("gloo", 3.0), 1: ("gloo", 3.0)}
-
-
-def test_remove_padding_is_refused_on_cpu_naming_the_field():
-    workers = require("verl.workers.fsdp_workers")
-    assert workers.check_remove_padding(False, "actor_rollout_ref.model.use_remove_padding") is False
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.use_remove_padding=False on CPU"):
-        workers.check_remove_padding(True, "actor_rollout_ref.model.use_remove_padding")
 
 
 def _fsdp2_load_worker(rank, port, world, results):
