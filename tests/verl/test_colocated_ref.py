@@ -1,11 +1,11 @@
-"""Colocated hybrid engine (issue 8, item 3) of the verl series, on CPU.
+"""Colocated hybrid engine of the verl series, on CPU: the workers and the single controller. The unit tests of
+the batch-size check (verl/trainer/ppo/batch_sizes.py) and of the role mapping (verl/trainer/ppo/colocated_ref.py)
+live in the fork's tests/trainer/ppo/.
 
-- Batch-size normalisation (verl/trainer/ppo/batch_sizes.py): the trainer's check names every field whose division
-  by the data-parallel size fails; Megatron's ActorRolloutRefWorker normalises with Megatron's DP size on 2 gloo
-  ranks, the ref's sizes included when the ref shares the worker.
-- One worker group for actor, rollout and ref (`actor_rollout_ref.ref.share_actor_worker`,
-  verl/trainer/ppo/colocated_ref.py): the role mapping and its refusals; then verl's own trainer and Ray
-  single controller on a local Ray cluster with fake GPUs and a tiny fake worker class in place of the Megatron
+- Megatron's ActorRolloutRefWorker normalises the batch sizes with Megatron's DP size on 2 gloo ranks, the ref's
+  sizes included when the ref shares the worker, and builds the ref as a ref.
+- One worker group for actor, rollout and ref (`actor_rollout_ref.ref.share_actor_worker`): verl's own trainer and
+  Ray single controller on a local Ray cluster with fake GPUs and a tiny fake worker class in place of the Megatron
   worker (no model), showing that one worker group with role "actor_rollout_ref" is spawned and that the trainer's
   ref call (`ref_policy_wg.compute_ref_log_prob`) is served by the same worker objects as the actor's calls.
 """
@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,6 @@ from tests import stack
 from tests.gloo import run_processes
 
 SERIES = "verl series not applied (sync, apply and install the verl fork; nox -s tests does)"
-batch_sizes = stack.require("verl.trainer.ppo.batch_sizes", SERIES)
 colocated_ref = stack.require("verl.trainer.ppo.colocated_ref", SERIES)
 DataProto = stack.require("verl").DataProto
 Worker = stack.require("verl.single_controller.base").Worker
@@ -54,137 +52,6 @@ def _config(*overrides: str, strategy: str = "megatron"):
             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
         ]
     return OmegaConf.merge(base, OmegaConf.from_dotlist(sizes + list(overrides)))
-
-
-# ---------------------------------------------------------------- the trainer's check
-
-
-def test_data_parallel_size_per_strategy():
-    assert batch_sizes.data_parallel_size(_config()) == 2
-    assert batch_sizes.data_parallel_size(_config("actor_rollout_ref.actor.megatron.context_parallel_size=2")) == 1
-    assert batch_sizes.data_parallel_size(_config(strategy="fsdp")) == 8
-    assert (
-        batch_sizes.data_parallel_size(
-            _config("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", strategy="fsdp")
-        )
-        == 4
-    )
-    with pytest.raises(
-        ValueError, match=r"8 GPUs do not divide by TP 2 x PP 3 x CP 1 = 6 \(actor_rollout_ref\.actor\.megatron"
-    ):
-        batch_sizes.data_parallel_size(_config("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"))
-
-
-def test_a_consistent_config_passes_for_both_strategies():
-    assert batch_sizes.check_config(_config(), use_reference_policy=True) == 2
-    assert batch_sizes.check_config(_config(strategy="fsdp"), use_reference_policy=True) == 8
-
-
-@pytest.mark.parametrize(
-    "overrides, words",
-    [
-        (
-            [
-                "data.train_batch_size=5",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=5",
-                "actor_rollout_ref.rollout.n=1",
-            ],
-            "data.train_batch_size x actor_rollout_ref.rollout.n = 5 x 1 = 5 sequences must split evenly over DP 2",
-        ),
-        (
-            ["actor_rollout_ref.actor.ppo_mini_batch_size=6"],
-            "data.train_batch_size (16) must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (6)",
-        ),
-        (
-            [
-                "data.train_batch_size=1",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-                "actor_rollout_ref.rollout.n=1",
-            ],
-            "actor_rollout_ref.actor.ppo_mini_batch_size x actor_rollout_ref.rollout.n = 1 x 1 = 1"
-            " must be a positive multiple of DP 2",
-        ),
-        (
-            ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
-            "the per-rank mini-batch 16 (actor_rollout_ref.actor.ppo_mini_batch_size 8 x"
-            " actor_rollout_ref.rollout.n 4 / DP 2) must be a multiple of the per-rank micro-batch 3",
-        ),
-        (
-            [
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
-                "actor_rollout_ref.actor.ppo_micro_batch_size=3",
-            ],
-            "actor_rollout_ref.actor.ppo_micro_batch_size (3) must be a positive multiple of DP 2",
-        ),
-        (
-            ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"],
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu is None: set it to a positive size",
-        ),
-        (
-            [
-                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null",
-                "actor_rollout_ref.rollout.log_prob_micro_batch_size=1",
-            ],
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size (1) must be a positive multiple of DP 2",
-        ),
-        (
-            ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0"],
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu is 0",
-        ),
-    ],
-)
-def test_each_bad_size_is_named(overrides, words):
-    with pytest.raises(ValueError, match=re.escape(words)):
-        batch_sizes.check_config(_config(*overrides), use_reference_policy=True)
-
-
-def test_every_problem_is_listed_at_once_and_the_ref_only_when_used():
-    bad = ["actor_rollout_ref.actor.ppo_mini_batch_size=6", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0"]
-    with pytest.raises(ValueError) as err:
-        batch_sizes.check_config(_config(*bad), use_reference_policy=True)
-    assert "ppo_mini_batch_size (6)" in str(err.value) and "ref.log_prob_micro_batch_size_per_gpu is 0" in str(
-        err.value
-    )
-    with pytest.raises(ValueError) as err:
-        batch_sizes.check_config(_config(*bad), use_reference_policy=False)
-    assert "actor_rollout_ref.ref." not in str(err.value)
-
-
-def test_dynamic_batch_sizes_skip_the_micro_batch_checks():
-    dynamic = [
-        "actor_rollout_ref.actor.use_dynamic_bsz=true",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=null",
-    ]
-    assert (
-        batch_sizes.check_config(_config(*dynamic), use_reference_policy=True) == 2
-    )  # ref and rollout follow the actor
-
-
-def test_normalise_turns_global_sizes_into_per_rank_ones_for_actor_rollout_and_ref():
-    arr = _config(
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
-        "actor_rollout_ref.actor.ppo_micro_batch_size=8",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size=16",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=null",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size=4",
-    ).actor_rollout_ref
-    batch_sizes.normalise(arr, 2, actor=True, ref=True)
-    assert arr.actor.ppo_mini_batch_size == 8 * 4 // 2
-    assert (
-        arr.actor.ppo_micro_batch_size_per_gpu,
-        arr.rollout.log_prob_micro_batch_size_per_gpu,
-        arr.ref.log_prob_micro_batch_size_per_gpu,
-    ) == (4, 8, 2)
-
-
-def test_normalise_changes_nothing_when_it_refuses():
-    arr = _config("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5").actor_rollout_ref
-    with pytest.raises(ValueError, match="micro-batch 5"):
-        batch_sizes.normalise(arr, 2, actor=True, ref=True)
-    assert arr.actor.ppo_mini_batch_size == 8
 
 
 # ---------------------------------------------------------------- Megatron's worker, 2 gloo ranks (DP 2)
@@ -257,79 +124,12 @@ SAME_LAYOUT = [
 ]
 
 
-def test_sharing_is_off_by_default_and_on_when_set():
-    assert colocated_ref.shares_actor_worker(_config()) is False
-    assert colocated_ref.shares_actor_worker(_config(SHARE, *SAME_LAYOUT)) is True
-    assert colocated_ref.shares_actor_worker(_config(SHARE, strategy="fsdp")) is True
-
-
-@pytest.mark.parametrize(
-    "overrides, words",
-    [
-        (
-            SAME_LAYOUT[1:],
-            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size (1) must equal"
-            " actor_rollout_ref.actor.megatron.tensor_model_parallel_size (2)",
-        ),
-        (
-            SAME_LAYOUT + ["actor_rollout_ref.ref.megatron.context_parallel_size=2"],
-            "actor_rollout_ref.ref.megatron.context_parallel_size (2) must equal",
-        ),
-        (
-            SAME_LAYOUT + ["actor_rollout_ref.ref.megatron.override_transformer_config={recompute_num_layers: 2}"],
-            "actor_rollout_ref.ref.megatron.override_transformer_config ({'recompute_num_layers': 2}) must equal",
-        ),
-        (SAME_LAYOUT + ["actor_rollout_ref.model.lora_rank=8"], "actor_rollout_ref.model.lora_rank is 8"),
-    ],
-)
-def test_settings_the_shared_worker_cannot_honour_are_refused(overrides, words):
-    with pytest.raises(ValueError, match=re.escape(words)) as err:
-        colocated_ref.shares_actor_worker(_config(SHARE, *overrides))
-    assert "set actor_rollout_ref.ref.share_actor_worker=false" in str(err.value)
-
-
 def _main_ppo_mapping(worker_cls=object, kl=True):
     """The role mapping main_ppo builds (GRPO with a KL loss: actor-rollout, critic, ref), pool names included."""
     from verl.trainer.ppo.ray_trainer import Role
 
     roles = [Role.ActorRollout, Role.Critic] + ([Role.RefPolicy] if kl else [])
     return {r: worker_cls for r in roles}, {r: "global_pool" for r in roles}
-
-
-def test_main_ppo_roles_merge_the_ref_into_the_actor_worker():
-    from verl.trainer.ppo.ray_trainer import Role
-
-    workers, pools = _main_ppo_mapping()
-    colocated_ref.assign_roles(_config(SHARE, *SAME_LAYOUT), workers, pools)
-    assert set(workers) == set(pools) == {Role.ActorRolloutRef, Role.Critic}
-    assert colocated_ref.actor_worker(_config(SHARE, *SAME_LAYOUT), workers) == (
-        Role.ActorRolloutRef,
-        "actor_rollout_ref",
-    )
-
-
-@pytest.mark.parametrize(
-    "overrides, kl", [([], True), ([SHARE, *SAME_LAYOUT], False)], ids=["switch-off", "no-ref-used"]
-)
-def test_main_ppo_roles_stay_apart_without_the_switch_or_without_a_ref(overrides, kl):
-    from verl.trainer.ppo.ray_trainer import Role
-
-    workers, pools = _main_ppo_mapping(kl=kl)
-    before = dict(workers)
-    colocated_ref.assign_roles(_config(*overrides), workers, pools)
-    assert workers == before
-    assert colocated_ref.actor_worker(_config(*overrides), workers) == (Role.ActorRollout, "actor_rollout")
-
-
-def test_a_mapping_that_contradicts_the_switch_is_refused():
-    from verl.trainer.ppo.ray_trainer import Role
-
-    workers, _ = _main_ppo_mapping()
-    with pytest.raises(ValueError, match="has a separate Role.RefPolicy"):
-        colocated_ref.actor_worker(_config(SHARE, *SAME_LAYOUT), workers)
-    workers[Role.ActorRolloutRef] = object
-    with pytest.raises(ValueError, match="neither may have its own"):
-        colocated_ref.actor_worker(_config(), workers)
 
 
 def _build_models_in_shared_worker(rank, port, results):

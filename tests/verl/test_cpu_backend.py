@@ -1,4 +1,6 @@
-"""The CPU backend of our verl series: each guarded change, exercised on this CPU machine.
+"""The CPU backend of our verl series: each guarded change, exercised on this CPU machine. The CPU device's memory
+and seeding calls (verl/utils/cpu_device.py) and the FSDP workers' CPU guards are tested in the fork's
+tests/utils/test_cpu_device.py and tests/workers/test_cpu_fsdp_guards.py.
 
 The end-to-end proof (verl's GRPO trainer on FSDP + HF rollout, through the launcher) is tests/recipes/test_smoke.py.
 """
@@ -21,43 +23,6 @@ def test_cpu_machine_is_seen_as_cpu():
     assert device.get_device_name() == "cpu"
 
 
-def test_cpu_device_answers_the_memory_calls_the_workers_make():
-    cpu = device.get_torch_device()
-    assert cpu.current_device() == "cpu"
-    before = cpu.memory_allocated()
-    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
-    assert cpu.memory_allocated() - before > 32 * 2**20, "memory_allocated should follow the process's memory"
-    assert cpu.max_memory_reserved() >= cpu.memory_allocated() - 2**20
-    free, total = cpu.mem_get_info()
-    assert 0 < free <= total
-    cpu.empty_cache()
-    cpu.reset_peak_memory_stats()
-    assert isinstance(cpu.get_device_name(), str) and cpu.get_device_name()
-    del block
-
-
-def test_cpu_device_seeds_like_an_accelerator():
-    cpu = device.get_torch_device()
-    cpu.manual_seed(7)
-    a = torch.randn(5)
-    state = cpu.get_rng_state()
-    b = torch.randn(5)
-    cpu.manual_seed(7)
-    assert torch.equal(torch.randn(5), a)
-    cpu.set_rng_state(state)
-    assert torch.equal(torch.randn(5), b)
-
-
-def test_flops_counter_runs_on_cpu():
-    """verl's update_actor asks the device for its name to look up promised flops; CPU has no entry (inf)."""
-    flops = require("verl.utils.flops_counter")
-    assert flops.get_device_flops() == float("inf")
-
-
-def test_attention_defaults_to_sdpa_on_cpu():
-    assert device.default_attn_implementation() == "sdpa"
-
-
 def _all_reduce_worker(rank, port, world, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from verl.utils.device import get_dist_backend
@@ -72,13 +37,6 @@ def _all_reduce_worker(rank, port, world, results):
 def test_dist_backend_is_gloo_on_cpu_and_runs_a_collective():
     results = run_forked(_all_reduce_worker, 2, 2)
     assert results == {0: ("gloo", 3.0), 1: ("gloo", 3.0)}
-
-
-def test_remove_padding_is_refused_on_cpu_naming_the_field():
-    workers = require("verl.workers.fsdp_workers")
-    assert workers.check_remove_padding(False, "actor_rollout_ref.model.use_remove_padding") is False
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.use_remove_padding=False on CPU"):
-        workers.check_remove_padding(True, "actor_rollout_ref.model.use_remove_padding")
 
 
 def _fsdp2_load_worker(rank, port, world, results):

@@ -1,7 +1,8 @@
 """rollout.calculate_log_probs in verl's HFRollout (verl series, workers/rollout/hf_sampling.py + the hook in
 hf_rollout.py): rollout_log_probs are the log-probs of the sampled tokens under the distribution that
 sampled them, equal to a teacher-forced forward's (fp32), with temperature and top-k too; -1 after the
-end as verl's vLLM rollout pads them; absent unless asked."""
+end as verl's vLLM rollout pads them; absent unless asked. The unit tests of hf_sampling.py are the fork's
+tests/workers/rollout/test_hf_sampling.py."""
 
 from __future__ import annotations
 
@@ -103,28 +104,6 @@ def test_greedy_validation_log_probs_are_the_plain_softmax(model):
     )
 
 
-def test_off_by_default():
-    from pathlib import Path
-
-    config_dir = Path(hf_sampling.__file__).parents[2] / "trainer/config"
-    for name in ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml"):
-        rollout = OmegaConf.load(config_dir / name).actor_rollout_ref.rollout
-        assert rollout.calculate_log_probs is False and hf_sampling.autocast_enabled(rollout), name
-    assert not hf_sampling.calculate_log_probs(OmegaConf.create({}))
-    assert hf_sampling.autocast_enabled(OmegaConf.create({})) and hf_sampling.autocast_enabled(
-        OmegaConf.create({"dtype": "bfloat16"})
-    )
-    assert not hf_sampling.autocast_enabled(OmegaConf.create({"dtype": "float32"}))
-
-
 def test_no_rollout_log_probs_unless_asked(model):
     out = hf_rollout.HFRollout(model, _config(calculate_log_probs=False)).generate_sequences(_prompts())
     assert "rollout_log_probs" not in out.batch.keys()
-
-
-def test_padding_follows_the_eos_and_the_steps_run():
-    scores = [torch.log_softmax(torch.randn(2, 5), -1) for _ in range(3)]  # generate ran 3 of 5 steps
-    response = torch.tensor([[2, 1, 0, 0, 0], [3, 4, 2, 0, 0]])  # EOS 1 at step 1 (kept), pad 0 after
-    got = hf_sampling.sampled_log_probs(scores, response, eos_token_id=1)
-    assert torch.equal(got[0, 2:], torch.full((3,), -1.0)) and torch.equal(got[1, 3:], torch.full((2,), -1.0))
-    assert got[0, 1] == torch.log_softmax(scores[1], -1)[0, 1] and got[1, 2] == torch.log_softmax(scores[2], -1)[1, 2]

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
-from omegaconf import OmegaConf
 
 from tests.gloo import run_processes
 from tests.verl.conftest import require
 
 device = require("verl.utils.device")
 cpu_models = require("verl.models.mcore.cpu")
-tp_extend_ep = require("verl.utils.megatron.tp_extend_ep")
 
 
 def test_current_device_is_cpu_without_an_accelerator():
@@ -88,26 +85,3 @@ def test_transformer_config_drops_cuda_only_kernels_on_cpu():
     assert got["attention_backend"] is AttnBackend.local and got["use_cpu_initialization"] is True
     assert got["moe_shared_expert_overlap"] is False and got["gradient_accumulation_fusion"] is False
     assert got["num_layers"] == 3
-
-
-def test_tp_extend_ep_becomes_megatron_cores_own_expert_groups():
-    def megatron(**kw):
-        base = {
-            "tensor_model_parallel_size": 2,
-            "expert_model_parallel_size": 1,
-            "expert_tensor_parallel_size": None,
-            "moe_tp_extend_ep": True,
-            "mindspeed": {"enable": False},
-        }
-        return OmegaConf.create({**base, **kw})
-
-    assert tp_extend_ep.expert_parallel_sizes(megatron()) == (2, 1)
-    assert tp_extend_ep.expert_parallel_sizes(megatron(expert_model_parallel_size=8, tensor_model_parallel_size=4)) == (
-        32,
-        1,
-    )
-    assert tp_extend_ep.expert_parallel_sizes(megatron(moe_tp_extend_ep=False)) == (1, None)
-    # MindSpeed extends the groups itself: the sizes go to Megatron as they are
-    assert tp_extend_ep.expert_parallel_sizes(megatron(mindspeed={"enable": True})) == (1, None)
-    with pytest.raises(ValueError, match="moe_tp_extend_ep=true needs expert_tensor_parallel_size null or 1"):
-        tp_extend_ep.expert_parallel_sizes(megatron(expert_tensor_parallel_size=2))

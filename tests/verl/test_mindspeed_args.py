@@ -1,16 +1,13 @@
-"""MindSpeed / MindSpeed-LLM backend (verl series): the argument set built from verl's config and config.json.
-
-The activation itself needs Ascend NPUs (torch_npu, MindSpeed's kernels): here it is compiled and its refusal off
-NPU is checked; the argument names are checked against the parsers of the pinned Megatron, MindSpeed and
-MindSpeed-LLM sources, read as text (skipped when a source is absent).
+"""MindSpeed / MindSpeed-LLM backend (verl series): the argument names built from verl's config and config.json are
+checked against the parsers of the pinned Megatron, MindSpeed and MindSpeed-LLM sources, read as text (skipped when a
+source is absent: MindSpeed is gitcode only). The unit tests of the argument set and the activation are the fork's
+tests/workers/mindspeed/test_args.py.
 """
 
 from __future__ import annotations
 
-import py_compile
 from pathlib import Path
 
-import pytest
 from omegaconf import OmegaConf
 
 from tests import stack
@@ -45,53 +42,6 @@ def _config(**megatron):
         "rollout": {"prompt_length": 1024, "response_length": 3072, "n": 16}})
 
 
-def test_the_a3_argument_set():
-    cfg = _config()
-    args = ms_args.build(cfg, cfg.actor.megatron, DSV3)
-    # the run
-    assert args["bf16"] and args["variable_seq_lengths"]
-    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"],
-            args["expert_model_parallel_size"]) == (4, 8, 8)
-    assert args["num_layer_list"] == "7,7,8,8,8,8,8,7"  # MindSpeed-LLM's option is a string
-    assert args["seq_length"] == 4096 and args["global_batch_size"] == 512 * 16
-    assert args["moe_tp_extend_ep"] and args["swap_optimizer"]
-    assert (args["recompute_granularity"], args["recompute_method"], args["recompute_num_layers"]) == ("full",
-                                                                                                      "block", 8)
-    # the model
-    assert args["multi_head_latent_attention"] and args["kv_lora_rank"] == 512 and args["q_lora_rank"] == 1536
-    assert (args["num_experts"], args["moe_router_topk"], args["moe_router_num_groups"],
-            args["moe_router_group_topk"]) == (256, 8, 8, 4)
-    assert args["moe_router_score_function"] == "sigmoid" and args["moe_router_enable_expert_bias"]
-    assert args["moe_router_bias_update_rate"] == 1e-3 and args["moe_router_topk_scaling_factor"] == 2.5
-    assert args["moe_router_load_balancing_type"] == "seq_aux_loss" and args["moe_aux_loss_coeff"] == 0.001
-    assert args["rope_scaling_type"] == "yarn" and args["rope_scaling_factor"] == 40
-    # the kernels
-    assert args["use_flash_attn"] and args["use_fused_rmsnorm"] and args["use_fused_swiglu"]
-    assert args["moe_token_dispatcher_type"] == "alltoall" and args["moe_grouped_gemm"]
-    assert args["moe_alltoall_overlap_comm"]
-
-
-def test_argv_form():
-    argv = ms_args.to_argv({"bf16": True, "sequence_parallel": False, "num_layer_list": "7,8", "seed": None,
-                            "moe_router_topk": 8, "some_list": [1, 2]})
-    assert argv == ["--bf16", "--num-layer-list=7,8", "--moe-router-topk=8", "--some-list", "1", "2"]
-
-
-def test_user_args_override_and_unknown_names_are_refused():
-    cfg = _config(mindspeed={"args": {"recompute_num_layers": 4, "use_fused_swiglu": False}})
-    args = ms_args.build(cfg, cfg.actor.megatron, DSV3, known={"recompute_num_layers", "use_fused_swiglu"})
-    assert args["recompute_num_layers"] == 4 and args["use_fused_swiglu"] is False
-    bad = _config(mindspeed={"args": {"recompute_num_layer": 4}})
-    with pytest.raises(ValueError, match="megatron.mindspeed.args: recompute_num_layer is not an argument"):
-        ms_args.build(bad, bad.actor.megatron, DSV3, known={"recompute_num_layers"})
-
-
-def test_swap_optimizer_and_optimizer_offload_exclude_each_other():
-    cfg = _config(optimizer_offload=True)
-    with pytest.raises(ValueError, match="set optimizer_offload=false with swap_optimizer=true"):
-        ms_args.build(cfg, cfg.actor.megatron, DSV3)
-
-
 def test_every_built_argument_exists_in_the_pinned_parsers():
     parsers = [d / rel for d, rel in zip(SOURCES, ms_args.PARSER_SOURCES, strict=True)]
     for source, parser in zip(("git", "mindspeed", "mindspeed-llm"), parsers, strict=True):
@@ -103,11 +53,3 @@ def test_every_built_argument_exists_in_the_pinned_parsers():
     built = ms_args.build(cfg, cfg.actor.megatron, DSV3, known=known)
     missing = sorted(k for k in built if k not in known)
     assert not missing, f"not an argument of any pinned parser: {missing}"
-
-
-def test_activation_is_npu_only_and_compiles(monkeypatch):
-    activate = require("verl.workers.mindspeed.activate")
-    py_compile.compile(activate.__file__, doraise=True)
-    monkeypatch.setattr(activate, "is_npu_available", False)
-    with pytest.raises(RuntimeError, match="mindspeed.enable=true needs Ascend NPUs"):
-        activate.activate_mindspeed(_config(), _config().actor.megatron)

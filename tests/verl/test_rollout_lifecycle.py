@@ -4,7 +4,8 @@ external DP groups (rollout.data_parallel_size).
 The order test drives verl's real MegatronVLLMShardingManager.__enter__/__exit__ and the real
 VLLMManualEngine over a tiny torch model and vLLM's real EngineCore (our series' free_kv_cache /
 reinit_kv_cache, with a stub executor for the devices, as tests/vllm does), and records every call.
-The DP tests feed the derived environment to vLLM's own ParallelConfig and get_ip."""
+The DP tests feed the derived environment to vLLM's own ParallelConfig and get_ip, and gather the rank table over
+4 gloo ranks; the unit tests of the DP groups are the fork's tests/workers/rollout/test_dp_groups.py."""
 
 from __future__ import annotations
 
@@ -348,53 +349,6 @@ def rank_table(nodes: int, per_node: int) -> list[str]:
     return [f"10.0.{n // 250}.{n % 250 + 1}" for n in range(nodes) for _ in range(per_node)]
 
 
-def vllm_dp_groups(world: int, dp: int, tp: int, pp: int = 1) -> list[list[int]]:
-    """vLLM 0.9.1's own DP groups (parallel_state.initialize_model_parallel), for comparison."""
-    all_ranks = torch.arange(world).reshape(-1, dp, pp, tp)
-    return [x.tolist() for x in all_ranks.transpose(1, 3).reshape(-1, dp).unbind(0)]
-
-
-@pytest.mark.parametrize(
-    ("nodes", "per_node", "instances", "dp", "tp"),
-    [
-        (16, 16, 1, 128, 2),  # A3: 16 nodes x 16 dies, one instance DP128 x TP2
-        (16, 16, 2, 64, 2),  # A3: the same cards as two instances DP64 x TP2
-        (32, 16, 2, 128, 2),  # two instances DP128 x TP2 need 512 dies: 32 A3 nodes
-        (32, 8, 2, 64, 2),  # 8-card nodes
-        (2, 4, 4, 2, 1),
-    ],
-)
-def test_dp_groups_are_vllms_and_each_has_its_own_master(nodes, per_node, instances, dp, tp):
-    ips = rank_table(nodes, per_node)
-    groups = dpg.dp_groups(ips, tp=tp, dp=dp, base_port=30000)
-    assert [list(g.ranks) for g in groups] == vllm_dp_groups(len(ips), dp, tp)
-    assert len(groups) == instances * tp and {g.instance for g in groups} == set(range(instances))
-    assert all(g.master_ip == ips[g.ranks[0]] for g in groups), "the master is the node of DP rank 0"
-    assert len({(g.master_ip, g.master_port) for g in groups}) == len(groups), "no two groups share a store"
-    assert [g.master_port for g in groups] == [30000 + i * dpg.PORT_STRIDE for i in range(len(groups))]
-    for group in groups:
-        for dp_rank, rank in enumerate(group.ranks):
-            env = dpg.dp_env(rank, ips, tp=tp, dp=dp, base_port=30000)
-            assert env["VLLM_DP_RANK"] == str(dp_rank) and env["VLLM_DP_SIZE"] == str(dp)
-            assert (env["VLLM_DP_MASTER_IP"], env["VLLM_DP_MASTER_PORT"]) == (group.master_ip, str(group.master_port))
-            assert env["VLLM_HOST_IP"] == ips[rank]
-            assert env["VLLM_DP_RANK_LOCAL"] == str(dp_rank % max(1, per_node // tp))
-
-
-def test_a3_two_instances_of_dp128_tp2():
-    ips = rank_table(32, 16)
-    envs = {rank: dpg.dp_env(rank, ips, tp=2, dp=128) for rank in (0, 1, 300, 301)}
-    base, stride = dpg.DEFAULT_BASE_PORT, dpg.PORT_STRIDE
-    # instance 0: TP ranks 0 and 1 of DP rank 0 host two stores on node 0, on two ports
-    assert [(envs[r]["VLLM_DP_MASTER_IP"], int(envs[r]["VLLM_DP_MASTER_PORT"])) for r in (0, 1)] == [
-        (ips[0], base), (ips[0], base + stride)]
-    # instance 1 starts at rank 256 (node 16): rank 300 is its DP rank 22, TP rank 0
-    assert [(envs[r]["VLLM_DP_MASTER_IP"], int(envs[r]["VLLM_DP_MASTER_PORT"])) for r in (300, 301)] == [
-        (ips[256], base + 2 * stride), (ips[256], base + 3 * stride)]
-    assert ips[256] != ips[0] and envs[300]["VLLM_DP_RANK"] == envs[301]["VLLM_DP_RANK"] == "22"
-    assert envs[300]["VLLM_DP_RANK_LOCAL"] == "6"  # node 18 holds DP ranks 16..23 of instance 1
-
-
 def test_vllm_reads_the_derived_environment_and_never_probes_the_network(monkeypatch):
     from vllm.config import ParallelConfig
     from vllm.utils import get_ip
@@ -413,32 +367,6 @@ def test_vllm_reads_the_derived_environment_and_never_probes_the_network(monkeyp
     assert (config.data_parallel_size, config.data_parallel_rank) == (4, 2)
     master = (config.data_parallel_master_ip, config.data_parallel_master_port)
     assert master == (ips[9], dpg.DEFAULT_BASE_PORT + 3 * dpg.PORT_STRIDE)  # group 3: instance 1, TP rank 1
-
-
-def test_dp_refusals_name_the_field():
-    with pytest.raises(ValueError, match=r"do not split .*data_parallel_size=3"):
-        dpg.dp_groups(rank_table(2, 4), tp=2, dp=3)
-    with pytest.raises(ValueError, match=r"dp_master_port=65500"):
-        dpg.dp_groups(rank_table(2, 4), tp=1, dp=2, base_port=65500)
-    with pytest.raises(ValueError, match="loopback"):
-        dpg.dp_groups(["127.0.0.1", "10.0.0.2"], tp=1, dp=1)
-    with pytest.raises(ValueError, match="unspecified"):
-        dpg.dp_groups(["0.0.0.0", "0.0.0.0"], tp=1, dp=2)
-    with pytest.raises(ValueError):
-        dpg.dp_groups(["node-a", "node-a"], tp=1, dp=2)
-
-
-def test_a_taken_master_port_is_refused_by_the_groups_dp_rank_0():
-    with socket.socket() as held:
-        held.bind(("", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        assert not dpg.port_is_free(port)
-        groups = [dpg.DPGroup(0, 0, (4, 5), "10.0.0.1", port)]
-        with pytest.raises(RuntimeError, match=rf"ports \[{port}\] on 10.0.0.1 are in use"):
-            dpg.check_master_port(groups, 4)
-        dpg.check_master_port(groups, 5)  # only the rank that will host the store checks
-    assert dpg.port_is_free(port)
 
 
 # ---------------------------------------------------------------- trainer side and config
@@ -510,15 +438,3 @@ def test_apply_dp_env_gathers_the_rank_table_over_the_world():
     assert [int(envs[r]["VLLM_DP_MASTER_PORT"]) for r in range(4)] == [base, base, base + 16, base + 16]  # tp=1
     assert [envs[r]["VLLM_DP_RANK"] for r in range(4)] == ["0", "1", "0", "1"]
     assert dpg.apply_dp_env({}, 0, 1) == {}, "data_parallel_size 1 leaves vLLM's environment alone"
-
-
-def test_node_ip_comes_from_rays_node_table(monkeypatch):
-    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
-    nodes = [{"NodeID": "a", "NodeManagerAddress": "10.1.0.1"}, {"NodeID": "b", "NodeManagerAddress": "10.1.0.2"}]
-    ray = SimpleNamespace(is_initialized=lambda: True, nodes=lambda: nodes,
-                          get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "b"))
-    assert dpg.node_ip(ray) == "10.1.0.2"
-    with pytest.raises(RuntimeError, match="data_parallel_size > 1 needs the rank table"):
-        dpg.node_ip(SimpleNamespace(is_initialized=lambda: False))
-    monkeypatch.setenv("VLLM_HOST_IP", "10.9.9.9")
-    assert dpg.node_ip(ray) == "10.9.9.9"

@@ -1,8 +1,7 @@
 """TensorCache data flow (issue 7) of the verl series, on CPU.
 
-- DP_COMPUTE_CACHED (verl/single_controller/base/cached_dispatch.py) on a fake Megatron worker group: each worker
-  gets the stage layout (every worker's DP rank) and its DP chunk of the host tensors, and the collection keeps
-  the same workers verl's MEGATRON_COMPUTE_PROTO keeps.
+- DP_COMPUTE_CACHED (verl/single_controller/base/cached_dispatch.py) feeds the worker methods below; its own unit
+  tests are the fork's tests/single_controller/test_cached_dispatch.py.
 - The worker methods (verl/workers/tensor_cache_worker.py) on 4 gloo processes with fake model calls: rollout DP 4
   -> train TP2 x DP2. The ref and the update get exactly the rows verl's collect-then-split hands each rank, the
   driver gets back only responses and attention mask, and the update (same layout as the ref) moves zero bytes.
@@ -70,44 +69,6 @@ def fake_rollout(prompts: DataProto) -> DataProto:
 
 def fake_ref(data: DataProto) -> torch.Tensor:
     return (data.batch["input_ids"][:, -R:] * data.batch["attention_mask"][:, -R:]).float() / 1000
-
-
-# ---------------------------------------------------------------- dispatch and collect on a fake group
-
-
-def test_dispatch_gives_every_worker_its_layout_and_dp_chunk():
-    group = FakeMegatronGroup(tp=2, dp=2, pp=2)
-    data = DataProto.from_dict(tensors={"advantages": torch.arange(16.0).view(8, 2)})
-    (requests, chunks), kwargs = cached.dispatch_dp_compute_cached(group, cached.CacheRequest(cached.TRAIN, 8), data)
-    assert kwargs == {}
-    assert [r.dp_rank_of for r in requests] == [(0, 0, 1, 1, 0, 0, 1, 1)] * 8
-    for rank, (req, chunk) in enumerate(zip(requests, chunks, strict=True)):
-        assert req.layout()[rank] == range(4 * (rank // 2 % 2), 4 * (rank // 2 % 2) + 4)
-        assert torch.equal(chunk.batch["advantages"], data.chunk(2)[rank // 2 % 2].batch["advantages"])
-    # verl's MEGATRON_COMPUTE collection keeps TP 0 of the last stage: the same workers answer here
-    assert [r.collect for r in requests] == [x in decorator.collect_megatron_compute(group, list(range(8)))
-                                             for x in range(8)]
-
-    (requests, chunks), _ = cached.dispatch_dp_compute_cached(group, cached.CacheRequest(cached.ROLLOUT, 16), data)
-    assert [r.dp_rank_of for r in requests] == [tuple(range(8))] * 8 and all(r.collect for r in requests)
-    assert [len(c) for c in chunks] == [1] * 8  # DP_COMPUTE_PROTO's split: 8 prompts over 8 workers
-
-
-def test_collect_keeps_one_answer_per_dp_rank_and_only_the_host_keys():
-    group = FakeMegatronGroup(tp=2, dp=2, pp=2)
-    (requests, _), _ = cached.dispatch_dp_compute_cached(
-        group, cached.CacheRequest(cached.TRAIN, 8, return_keys=("responses",)), None)
-    outputs = [
-        DataProto.from_dict(tensors={"responses": torch.full((4, 2), r // 2 % 2), "input_ids": torch.zeros(4, 2)},
-                            meta_info={"metrics": {"rank": r}})
-        for r in range(8)
-    ]
-    answers = [cached.host_part(out, req) for out, req in zip(outputs, requests, strict=True)]
-    assert [a is None for a in answers] == [not r.collect for r in requests]
-    got = decorator.get_predefined_dispatch_fn(decorator.Dispatch.DP_COMPUTE_CACHED)["collect_fn"](group, answers)
-    verl = decorator.collect_megatron_compute_data_proto(group, outputs)
-    assert list(got.batch.keys()) == ["responses"]
-    assert torch.equal(got.batch["responses"], verl.batch["responses"]) and got.meta_info == verl.meta_info
 
 
 # ---------------------------------------------------------------- the worker methods on gloo
