@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -15,6 +17,8 @@ from verl.trainer.config import series_settings  # the launcher needs it: no ski
 
 from tests.launch.conftest import CONFIGS
 from tools.launch import config, env, run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 A3 = CONFIGS / "a3-128-true-weight.yaml"
 A, AM, R = "actor_rollout_ref.actor.", "actor_rollout_ref.actor.megatron.", "actor_rollout_ref.rollout."
@@ -128,3 +132,29 @@ def test_without_verl_the_dry_run_says_which_checks_did_not_run():
 ])
 def test_reshard_settings_the_series_accepts(overrides):
     assert series_fields(A3, *overrides) == []
+
+
+RECORD_RAY_IMPORT = """
+import os, sys
+class Recorder:  # notes RAY_AUTH_MODE at the moment `ray` is first imported (Ray reads it then, once)
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" and "mode" not in seen:
+            seen["mode"] = os.environ.get("RAY_AUTH_MODE")
+        return None
+seen = {}
+sys.meta_path.insert(0, Recorder())
+from tools.launch import cli
+rc = cli.main([sys.argv[1], "--dry-run", "actor_rollout_ref.model.path=/nonexistent"])
+print("ray imported with", seen.get("mode"), "rc", rc)
+"""
+
+
+def test_the_launcher_holds_the_runs_ray_auth_mode_before_the_series_check_imports_ray(tmp_path):
+    """A machine with ~/.ray/auth_token: `ray start` turns token auth on, so this process must be a token client.
+    Ray fixes its mode when first imported, and the series check imports it (through verl) before the launch."""
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("secret")
+    environ = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {"HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", RECORD_RAY_IMPORT, str(CONFIGS / "cpu-tiny.yaml")], cwd=ROOT,
+                          env=environ, capture_output=True, text=True, timeout=600)
+    assert "ray imported with token" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_intermixed_args(argv)
+    # Ray reads RAY_AUTH_MODE once, when it is first imported, and the series check imports it through verl:
+    # this process must hold the run's mode before then, or its ray.init is refused (InvalidAuthToken).
+    os.environ["RAY_AUTH_MODE"] = cluster.ray_auth_mode()
     try:
         recipe = config.load(args.config, args.overrides)
         nodes = int(recipe.cfg.launch.nodes)
