@@ -11,6 +11,11 @@ import pytest
 from tests.stack import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 from tests.threads import RAY_CLIENT_THREADS, native_threads
 
+# One Ray auth mode for the whole session, set before anything imports Ray (it reads the mode once, then). Tests
+# start clusters of their own; with a token in ~/.ray, the launcher's cli.main, run in-process, would otherwise
+# switch later clusters to token auth while this process stays a disabled-mode client.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
 _status: list[int] = []
 
 

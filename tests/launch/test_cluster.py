@@ -29,21 +29,18 @@ NODE = {"num_cpus": 1, "resources": {"NPU": 2}, "object_store_memory": 80 * 2**2
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    # One auth mode for this module's cluster and its clients: with a token in ~/.ray, `ray start` would turn
-    # token auth on by itself while the clients stay disabled (the launcher sets the mode the same way).
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        dash = free_port()
-        c = Cluster(initialize_head=True, head_node_args={**NODE, "node_ip_address": "127.0.0.1",
-                                                          "include_dashboard": True, "dashboard_host": "127.0.0.1",
-                                                          "dashboard_port": dash})
-        for _ in range(2):
-            c.add_node(**NODE, node_ip_address="127.0.0.1")
-        c.wait_for_nodes()
-        yield c, f"http://127.0.0.1:{dash}"
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()
+    # RAY_AUTH_MODE is the session's one mode (tests/conftest.py), for this cluster and its clients alike.
+    dash = free_port()
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "node_ip_address": "127.0.0.1",
+                                                      "include_dashboard": True, "dashboard_host": "127.0.0.1",
+                                                      "dashboard_port": dash})
+    for _ in range(2):
+        c.add_node(**NODE, node_ip_address="127.0.0.1")
+    c.wait_for_nodes()
+    yield c, f"http://127.0.0.1:{dash}"
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
 
 
 def test_wait_succeeds_when_all_nodes_joined(three_nodes):

@@ -27,8 +27,7 @@ FACTS = env.NodeFacts("10.0.0.1", "enp189s0f0", "10.0.0.1", True, "/usr/lib/aarc
 
 def dry_run(path: Path, *overrides: str) -> run.Prepared:
     recipe = config.load(path, list(overrides))
-    with mock.patch.dict(os.environ, {"RAY_AUTH_MODE": "disabled"}):
-        return run.prepare(recipe, FACTS, "one-home", Path("/runs"), device_gb=64.0)
+    return run.prepare(recipe, FACTS, "one-home", Path("/runs"), device_gb=64.0)
 
 
 def series_fields(path: Path, *overrides: str) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from unittest import mock
 
 from omegaconf import OmegaConf
 
@@ -20,9 +19,8 @@ PATHS = ["actor_rollout_ref.model.path=/models/DeepSeek-V3-bf16", "data.train_fi
 
 def rendered(name: str) -> str:
     recipe = config.load(CONFIGS / f"{name}.yaml", PATHS)
-    with mock.patch.dict(os.environ, {"RAY_AUTH_MODE": "disabled"}):  # not this machine's ~/.ray token
-        p = run.prepare(recipe, FACTS, "golden-run", Path("/runs"), python="/venv/bin/python",
-                        ray_bin="/venv/bin/ray", device_gb=64.0)
+    p = run.prepare(recipe, FACTS, "golden-run", Path("/runs"), python="/venv/bin/python", ray_bin="/venv/bin/ray",
+                    device_gb=64.0)  # RAY_AUTH_MODE is the session's (tests/conftest.py), not this machine's token
     return plan.render(p.plan).replace(str(ROOT), "<root>")
 
 
