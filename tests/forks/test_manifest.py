@@ -30,6 +30,9 @@ def test_real_manifest_has_the_six_pins():
     assert {name: (f.path, f.ref, f.commit) for name, f in m.forks.items()} == PINS
     assert {f.name for f in m.forks.values() if f.pypi} == {"verl", "vllm", "vllm-ascend", "megatron"}
     assert {f.name for f in m.select(profile="cpu")} == {"verl", "vllm", "megatron"}
+    # vLLM-Ascend is not installed on cpu, but its series' tests run there (from its source tree)
+    assert {f.name for f in m.select(profile="cpu", tests=True)} == {"verl", "vllm", "vllm-ascend", "megatron"}
+    assert m.forks["verl"].test_profiles == m.forks["verl"].profiles, "test_profiles defaults to profiles"
     assert m.stack["npu"]["torch_npu"] == "2.5.1.post1" and m.stack["cpu"]["torch"] == "2.13.0"
 
 
@@ -55,6 +58,10 @@ def test_every_real_series_exists_and_lints_clean():
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.replace('commit = "', 'commit = "zz', 1), "forks.verl.commit"),
     (lambda t: t.replace('profiles = ["npu", "cuda", "cpu"]', 'profiles = ["tpu"]', 1), "forks.verl.profiles"),
+    (lambda t: t.replace('test_profiles = ["npu", "cpu"]', 'test_profiles = ["cpu"]', 1),
+     "forks.vllm-ascend.test_profiles"),  # must include the profiles that install the fork
+    (lambda t: t.replace('test_profiles = ["npu", "cpu"]', 'test_profiles = ["npu", "tpu"]', 1),
+     "forks.vllm-ascend.test_profiles"),
     (lambda t: t.replace('url = "https://github.com/volcengine/verl.git"\n', "", 1), "forks.verl.url"),
     (lambda t: t.replace('requirement = "verl==0.4.0", ', "", 1), "forks.verl.pypi"),
     (lambda t: t + "[[[", "not valid TOML"),

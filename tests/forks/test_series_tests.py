@@ -47,8 +47,9 @@ def test_only_created_test_files_are_listed(tmp_path):
     assert _series(tmp_path, 3).added_tests() == ["tests/unit/test_thing.py"]  # not a changed test, not a helper
 
 
-def _fork(tmp_path: Path, value: int) -> Path:
-    """A repository whose manifest names one fork, with the series' files laid out as if applied."""
+def _fork(tmp_path: Path, value: int, profiles: str = 'profiles = ["cpu"]\n') -> Path:
+    """A repository whose manifest names one fork, with the series' files laid out as if applied; the fork is not
+    installed, so its test imports pkg.thing from the tree."""
     root = tmp_path / "repo"
     (root / "third_party" / "patches").mkdir(parents=True)
     series = _series(tmp_path, value)
@@ -62,12 +63,12 @@ def _fork(tmp_path: Path, value: int) -> Path:
     (root / "third_party" / "forks.toml").write_text(
         'schema = 1\n[forks.thing]\npath = "third_party/thing"\nurl = "https://example.invalid/thing.git"\n'
         'ref = "v1"\ncommit = "' + "0" * 40 + '"\npatches = "third_party/patches/thing"\ndistribution = "thing"\n'
-        'profiles = ["cpu"]\n')
+        + profiles)
     return root
 
 
-def _run(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.forks", "--root", str(root), "test", "thing"],
+def _run(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.forks", "--root", str(root), "test", *(args or ["thing"])],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
 
 
@@ -77,3 +78,12 @@ def test_the_command_runs_them_in_the_fork_and_fails_with_them(tmp_path):
     assert "1 test file(s) of the series" in good.stdout and "1 passed" in good.stdout
     bad = _run(_fork(tmp_path / "b", 4))  # the fork's test asserts a value the tree does not have
     assert bad.returncode == 1 and "1 failed" in bad.stdout
+
+
+def test_a_profile_runs_the_tests_of_the_forks_whose_test_profiles_name_it(tmp_path):
+    npu_only = 'profiles = ["npu"]\n'
+    not_declared = _run(_fork(tmp_path / "a", 3, npu_only), "--profile", "cpu")
+    assert not_declared.returncode == 0 and "test file(s)" not in not_declared.stdout, not_declared.stdout
+    declared = _run(_fork(tmp_path / "b", 3, npu_only + 'test_profiles = ["npu", "cpu"]\n'), "--profile", "cpu")
+    assert declared.returncode == 0, declared.stdout + declared.stderr
+    assert "thing: 1 test file(s) of the series" in declared.stdout and "1 passed" in declared.stdout

@@ -1,10 +1,11 @@
-"""Tests of our vLLM-Ascend series, read from the fork's source tree (third_party/vllm-ascend).
+"""Integration tests of our recipe against vLLM-Ascend, read from the fork's source tree (third_party/vllm-ascend).
 
 vLLM-Ascend is an NPU-only fork: it is never installed in the cpu stack, and torch_npu, torchair
 and CANN's acl do not exist here. The fixture below puts the fork's tree on sys.path and answers
 imports of those device modules with stub modules whose every attribute is a MagicMock (plus
 `torch.npu`). So the tests run the patched Python code itself; each test says which device calls
 it stubs and what it checks for real. The stubs are removed again after this directory's tests.
+The unit tests of our series' patches are in the fork's own tree (tests/ut/, `python -m tools.forks test`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ os.environ.setdefault("VLLM_PLUGINS", "none")  # never let a platform plugin pic
 
 ROOT = Path(__file__).resolve().parents[2]
 TREE = ROOT / "third_party" / "vllm-ascend"
-SERIES = ROOT / "third_party" / "patches" / "vllm-ascend" / "series"
 GET_TREE = ("sync and apply it: `python -m tools.forks sync vllm-ascend && python -m tools.forks apply "
             "vllm-ascend` (nox -s tests does both)")
 # A file that only our series adds: its absence means the tree is at the bare pin.
@@ -101,25 +101,3 @@ def va():
             if name.split(".")[0] in roots or name.split(".")[0] == "vllm_ascend":
                 del sys.modules[name]
 
-
-def series_python_files() -> list[str]:
-    """The .py files our vLLM-Ascend patches touch, read from the patch files in `series` order."""
-    files: list[str] = []
-    for line in SERIES.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        for diff_line in (SERIES.parent / line).read_text().splitlines():
-            if diff_line.startswith("+++ b/") and diff_line.endswith(".py"):
-                path = diff_line[len("+++ b/"):]
-                if path not in files:
-                    files.append(path)
-    return files
-
-
-def run_forked(worker, world: int, *args) -> dict:
-    """Fork, so that the workers inherit the imported (stubbed) vLLM-Ascend modules, and whatever a
-    worker patches stays in that worker (see tests/gloo.py)."""
-    from tests.gloo import run_processes  # imports torch: here, so that a missing torch is reported per test
-
-    return run_processes(worker, world, *args)

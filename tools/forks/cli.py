@@ -95,7 +95,9 @@ def parser() -> argparse.ArgumentParser:
     p = add("test", "Run the tests the series adds, inside each fork's patched tree.",
             "The test files a patch creates (test_*.py) run with this interpreter's pytest, from the\n"
             "fork's root and without the fork's own conftest files (upstream's need its whole test\n"
-            "environment). Extra arguments after -- go to pytest. Exits with pytest's status.")
+            "environment). --profile selects the forks whose test_profiles (forks.toml) name it: a fork\n"
+            "the profile does not install is imported from that tree. Extra arguments after -- go to\n"
+            "pytest. Exits with pytest's status.")
     _fork_args(p)
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest, after --")
 
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         root = (getattr(args, "root", None) or find_root(Path.cwd())).resolve()
         manifest = load(root)
-        forks = manifest.select(args.forks, getattr(args, "profile", None))
+        forks = manifest.select(args.forks, getattr(args, "profile", None), tests=args.command == "test")
         return COMMANDS[args.command](args, manifest, forks)
     except rebase_mod.RebaseStopped as exc:
         print(f"stopped: {exc}", file=sys.stderr)

@@ -50,6 +50,9 @@ class Fork:
     patches: str
     distribution: str
     profiles: tuple[str, ...]
+    # Profiles under which `tools.forks test` runs the series' tests: `profiles`, plus any where the stack
+    # does not install the fork and the tests import it from its source tree (an NPU-only fork on cpu).
+    test_profiles: tuple[str, ...]
     pypi: PyPISource | None = None
     published_url: str | None = None
     published_commit: str | None = None
@@ -79,8 +82,10 @@ class Manifest:
     def path(self) -> Path:
         return self.root / MANIFEST
 
-    def select(self, names: list[str] | None = None, profile: str | None = None) -> list[Fork]:
-        """Forks by name (all when empty), optionally only those a device profile needs."""
+    def select(self, names: list[str] | None = None, profile: str | None = None, *,
+               tests: bool = False) -> list[Fork]:
+        """Forks by name (all when empty), optionally only those a device profile needs, or with `tests`
+        those whose series' tests run under it."""
         unknown = [n for n in names or [] if n not in self.forks]
         if unknown:
             raise ManifestError(
@@ -90,7 +95,7 @@ class Manifest:
         if profile:
             if profile not in PROFILES:
                 raise ManifestError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}")
-            chosen = [f for f in chosen if profile in f.profiles]
+            chosen = [f for f in chosen if profile in (f.test_profiles if tests else f.profiles)]
         return chosen
 
 
@@ -134,6 +139,12 @@ def _fork(name: str, t: dict) -> Fork:
         raise ManifestError(
             f"forks.{name}.profiles: {list(profiles)} must be a non-empty subset of {list(PROFILES)}"
         )
+    test_profiles = t.get("test_profiles", list(profiles))
+    if not isinstance(test_profiles, list) or not set(profiles) <= set(test_profiles) <= set(PROFILES):
+        raise ManifestError(
+            f"forks.{name}.test_profiles: {test_profiles!r} must list every profile of `profiles`"
+            f" ({list(profiles)}), plus those of {list(PROFILES)} whose tests run from the source tree"
+        )
     pypi = None
     if "pypi" in t:
         p = t["pypi"]
@@ -153,6 +164,7 @@ def _fork(name: str, t: dict) -> Fork:
         patches=need("patches"),
         distribution=need("distribution"),
         profiles=profiles,
+        test_profiles=tuple(test_profiles),
         pypi=pypi,
         published_url=t.get("published_url"),
         published_commit=t.get("published_commit"),
