@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--root", type=Path, default=argparse.SUPPRESS,
                         help="repository root (default: found above the current directory)")
     common.add_argument("--profile", choices=PROFILES, default=argparse.SUPPRESS,
-                        help="only the forks this device profile installs")
+                        help="only the forks this device profile installs (for `test`: whose test_profiles name it)")
     top = argparse.ArgumentParser(prog="python -m tools.forks", description=DESCRIPTION, parents=[common],
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
