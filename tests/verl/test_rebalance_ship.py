@@ -6,6 +6,8 @@ decodes the same tokens wherever it runs only if its KV arrived intact. With kv_
 receiver must not recompute any KV of a moved running request, and the blocks it receives must be
 bit for bit those the donor exported; with "reprefill" it recomputes them from the token ids. In both
 modes every request finishes exactly once, back on its source rank, in order, tokens intact.
+The unit tests of the KV shipping (2 ranks, blocks bit for bit, the refusals) are the verl fork's
+tests/workers/rollout/rebalance/test_migrate_ship.py.
 """
 
 from __future__ import annotations
@@ -225,9 +227,3 @@ def test_ship_sends_the_blocks_bit_exact_and_the_receiver_recomputes_nothing(out
     assert got and set(got) == set(exported), "every exported request's blocks arrived, and only those"
     assert all(got[rid] == exported[rid] for rid in got), "shipped blocks differ from the exported ones"
     assert recomputed == 0, "a receiver recomputed KV that was shipped"
-
-
-def test_a_payload_names_only_torch_dtypes():
-    assert migrate._dtype("bfloat16") is torch.bfloat16
-    with pytest.raises(ValueError, match="not a torch dtype"):
-        migrate._dtype("load")

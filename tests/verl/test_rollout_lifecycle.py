@@ -3,7 +3,8 @@ external DP groups (rollout.data_parallel_size).
 
 The order test drives verl's real MegatronVLLMShardingManager.__enter__/__exit__ and the real
 VLLMManualEngine over a tiny torch model and vLLM's real EngineCore (our series' free_kv_cache /
-reinit_kv_cache, with a stub executor for the devices, as tests/vllm does), and records every call.
+reinit_kv_cache, with a stub executor for the devices, as the vLLM fork's tests/v1/engine/test_kv_cache_configs.py
+does), and records every call.
 The DP tests feed the derived environment to vLLM's own ParallelConfig and get_ip, and gather the rank table over
 4 gloo ranks; the unit tests of the DP groups are the fork's tests/workers/rollout/test_dp_groups.py."""
 
