@@ -178,7 +178,8 @@ LAYOUTS = [
 @pytest.mark.parametrize("world, tp, pp, ep, layers, moe_from, num_experts, rollout_dp, rollout_tp, tp_pp", LAYOUTS)
 def test_each_rank_gets_the_gather_paths_experts_it_serves(world, tp, pp, ep, layers, moe_from, num_experts,
                                                            rollout_dp, rollout_tp, tp_pp):
-    # spawn, not fork: see test_reshard_weight_sync_gloo.py
+    # spawn, not fork: Megatron's parallel state in a child forked from a process that already ran a
+    # process group (tests/megatron does, in this pytest process) can hang in initialize_model_parallel
     results = run_processes(_worker, world, world, tp, pp, ep, layers, moe_from, num_experts, rollout_dp, rollout_tp,
                             tp_pp, start_method="spawn")
     for rank, r in sorted(results.items()):
