@@ -74,8 +74,8 @@ def dsv3_stages(c=DSV3) -> list[list[ParamSpec]]:
 
 
 def measured() -> None:
+    from benchmarks.tp_pp_gloo import _worker
     from tests.verl.conftest import run_forked
-    from tests.verl.test_reshard_tp_pp_gloo import _worker
 
     print("measured on gloo: TP2 PP4 (8 ranks), layer list 1,2,2,3, 2 dense first layers, all parameters")
     print(f"{'rank':>4} {'stage':>5} {'gather B':>9} {'directed B':>10} {'eligible: gather B':>18}"

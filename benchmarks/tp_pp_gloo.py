@@ -1,4 +1,6 @@
-"""The directed TP-split weight path (verl series, reshard/tp_pp.py + tp_pp_exchange.py) on gloo.
+"""The measuring harness of benchmarks/reshard_tp_pp.py: the directed TP-split weight path (verl series,
+reshard/tp_pp.py + tp_pp_exchange.py) against verl's broadcast + all-gather path, on gloo. Its correctness
+tests live in the verl fork (tests/utils/reshard/test_tp_pp.py).
 
 A fake Megatron-like model with the DeepSeek-V3 shape of things (dense first layers, MoE layers with
 router, shared and routed experts, embedding on the first stage, final norm and output layer on the
@@ -10,17 +12,13 @@ path, bit-exact; the bytes each rank receives are measured for both paths on the
 from __future__ import annotations
 
 import os
-from math import prod
 
-import pytest
 import torch
 import torch.distributed as dist
+from verl.utils.reshard import tp_pp
+from verl.utils.reshard import tp_pp_exchange as exchange
 
 from tests import traffic
-from tests.verl.conftest import require, run_forked
-
-tp_pp = require("verl.utils.reshard.tp_pp")
-exchange = require("verl.utils.reshard.tp_pp_exchange")
 
 HIDDEN, FFN, VOCAB, EXPERTS = 8, 12, 16, 4
 
@@ -162,54 +160,3 @@ def _worker(rank, port, world, tp, pp, layers, dense, results):
     finally:
         dist.destroy_process_group()
 
-
-LAYOUTS = [  # world, tp, pp, layer list, dense first layers
-    (4, 2, 2, [2, 3], 1),
-    (8, 2, 4, [1, 2, 2, 3], 2),  # uneven, the first stage all dense
-    (8, 2, 2, [3, 2], 3),  # DP2, the first stage all dense
-]
-
-
-@pytest.mark.parametrize("world, tp, pp, layers, dense", LAYOUTS)
-def test_directed_tp_pp_equals_broadcast_then_gather(world, tp, pp, layers, dense):
-    results = run_forked(_worker, world, world, tp, pp, layers, dense)
-    plan = tp_pp.plan_tp_pp(specs(layers, dense, tp), tp)
-    total = sum(len(stage_params(s, layers, dense, tp)[0]) for s in range(pp))
-    for rank, r in sorted(results.items()):
-        assert r["mismatches"] == [], f"rank {rank}: {r['mismatches'][:5]} differ from the gather path"
-        assert r["names"] == total
-        # the planner's byte count is what the collectives delivered
-        t = tp_pp.tp_pp_traffic(plan, r["stage"])
-        assert r["eligible_gather_bytes"] == t.gather_recv
-        assert r["directed_bytes"] - (r["gather_bytes"] - r["eligible_gather_bytes"]) == t.directed_recv
-        assert r["directed_calls"] < r["gather_calls"]
-
-
-def test_eligibility_and_slots_for_an_uneven_layout():
-    layers, dense, tp = [1, 2, 2, 3], 2, 2
-    plan = tp_pp.plan_tp_pp(specs(layers, dense, tp), tp)
-    assert plan.eligible == {f"decoder.layers.*.{n}" for n in (
-        "input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-        "pre_mlp_layernorm.weight")}, "dense and MoE MLPs differ between stages, experts are excluded"
-    assert len(plan.slots) == 3
-    assert [len(plan.slots[2][s]) for s in range(4)] == [0, 0, 0, 4], "only the last stage has a third layer"
-    rest_names = {plan.stages[s][i].name for s, i in plan.rest}
-    assert {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.0.mlp.linear_fc1.weight",
-            "decoder.layers.0.mlp.router.weight", "decoder.layers.0.mlp.experts.linear_fc1.weight0"} <= rest_names
-    send, recv = plan.alltoall_splits(1, 1)
-    assert send[1] == 0 and recv[0] == 0 and recv[1] == 0 and recv[3] == send[2] == plan.slot_bytes(1, 1)
-
-
-def test_a_pattern_with_different_shapes_is_not_eligible():
-    a = tp_pp.ParamSpec("decoder.layers.0.self_attention.linear_qkv.weight", (6, 4), "torch.bfloat16", 2, True, 0)
-    b = tp_pp.ParamSpec("decoder.layers.0.self_attention.linear_qkv.weight", (8, 4), "torch.bfloat16", 2, True, 0)
-    n = tp_pp.ParamSpec("decoder.layers.0.input_layernorm.weight", (4,), "torch.float32", 4)
-    plan = tp_pp.plan_tp_pp([[a, n], [b, n]], 2)
-    assert plan.eligible == {"decoder.layers.*.input_layernorm.weight"}
-    assert plan.rest == [(0, 0), (1, 0)]
-    assert prod(a.shape) * 2 == a.local_bytes
-
-
-def test_virtual_pipeline_is_refused_naming_the_layout():
-    with pytest.raises(tp_pp.ReshardLayoutError, match=r"TP2 PP4 VPP2.*reshard.tp_pp=gather"):
-        tp_pp.check_tp_pp(2, 4, 2)
