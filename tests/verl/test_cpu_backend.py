@@ -1,8 +1,8 @@
 """The CPU backend of our verl series: each guarded change, exercised on this CPU machine. The CPU device's memory
 and seeding calls (verl/utils/cpu_device.py) and the FSDP workers' CPU guards are tested in the fork's
 tests/utils/test_cpu_device.py and tests/workers/test_cpu_fsdp_guards.py, the CPU resource pools in
-tests/trainer/ppo/test_resource_pool_cpu.py and the Megatron workers' CPU answers in
-tests/utils/megatron/test_cpu_backend.py.
+tests/trainer/ppo/test_resource_pool_cpu.py (their placement on a real Ray cluster stays here) and the
+Megatron workers' CPU answers in tests/utils/megatron/test_cpu_backend.py.
 
 The end-to-end proof (verl's GRPO trainer on FSDP + HF rollout, through the launcher) is tests/recipes/test_smoke.py.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests import stack
@@ -67,6 +68,28 @@ def test_fsdp2_loads_rank0_weights_into_cpu_shards():
         for key in got:
             assert torch.equal(got[key], rank0_weights[key]), (rank, key)
     assert not torch.equal(results[1][0]["0.weight"], rank0_weights["0.weight"]), "the ranks should start apart"
+
+
+def test_resource_pool_counts_cpus_on_a_cpu_cluster():
+    """The placement on a real local Ray cluster of 3 CPUs (the fork tests its check against a stated answer).
+    It runs here, where tests/conftest.py holds one Ray auth mode and handles Ray's threads at exit."""
+    ray = stack.require("ray")
+    trainer = require("verl.trainer.ppo.ray_trainer")
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)  # never a stale cluster
+    try:
+        mapping = {trainer.Role.ActorRollout: "pool"}
+        manager = trainer.ResourcePoolManager({"pool": [2]}, mapping, device_name="cpu")
+        manager.create_resource_pool()
+        pool = manager.get_resource_pool(trainer.Role.ActorRollout)
+        assert pool.use_gpu is False
+        bundles = pool.get_placement_groups(device_name="cpu")[0].bundle_specs
+        assert bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
+        with pytest.raises(ValueError, match="Total available GPUs 1.0 is less than total desired GPUs 8"):
+            trainer.ResourcePoolManager({"big": [8]}, mapping, device_name="cpu").create_resource_pool()
+        with pytest.raises(ValueError, match="Total available GPUs 0 is less"):  # accelerator default unchanged
+            trainer.ResourcePoolManager({"gpu": [2]}, mapping).create_resource_pool()
+    finally:
+        ray.shutdown()
 
 
 def test_hf_rollout_samples_n_responses_on_cpu():
