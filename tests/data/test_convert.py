@@ -232,3 +232,26 @@ def test_synthetic_ops_restrict_the_operators():
 ])
 def test_synthetic_precedence(operands, operators, value):
     assert synthetic.evaluate(operands, operators) == value
+
+
+def test_unique_problems_make_a_truly_held_out_split(tmp_path):
+    # the smoke task: every sum of two numbers in 0..20, 15% of them held out
+    dst = tmp_path / "sums"
+    assert main(["synthetic-arith", "--dst", str(dst), "--n", "441", "--ops", "+", "--max-operand", "20",
+                 "--max-terms", "2", "--unique", "--test-ratio", "0.15"]) == 0
+    train, test = read_rows(dst, "train"), read_rows(dst, "test")
+    problems = [r["prompt"][0]["content"] for r in train + test]
+    assert len(set(problems)) == len(problems) == 441, "every possible problem once"
+    assert not {r["prompt"][0]["content"] for r in test} & {r["prompt"][0]["content"] for r in train}
+    assert len(test) == 66
+    plain = synthetic.generate(441, ops="+", max_operand=20, max_terms=2)
+    assert len({p.problem for p in plain}) < 441, "without --unique the draws repeat (what --unique is for)"
+
+
+def test_unique_refuses_more_problems_than_exist(tmp_path, capsys):
+    assert synthetic.distinct_problems(max_operand=9, n_ops=2, max_terms=3) == 100 * 2 + 1000 * 4
+    assert main(["synthetic-arith", "--dst", str(tmp_path / "x"), "--n", "101", "--ops", "+", "--max-operand", "9",
+                 "--max-terms", "2", "--unique"]) == 1
+    err = capsys.readouterr().err
+    assert "--n 101 unique problems asked, but only 100 exist" in err and "lower --n" in err
+    assert not (tmp_path / "x").exists()

@@ -96,15 +96,20 @@ def test_user_overrides_come_last_so_they_win(tmp_path):
     assert out[-6:] == ["--master-addr", "127.0.0.1", "--logs", str(args.logs), "--run-id", "r"]
 
 
-def test_the_prepared_inputs_pass_the_launchers_input_checks(tmp_path):
-    """make-tiny, synthetic-arith and hf-to-mcore (torch_dist) for real, once; the launcher accepts what they made."""
+def test_the_prepared_inputs_pass_the_launchers_input_checks(tmp_path, monkeypatch):
+    """make-tiny, synthetic-arith, the warm start and hf-to-mcore (torch_dist) for real, once; the launcher accepts
+    what they made."""
+    monkeypatch.setattr(smoke, "WARM_START", {**smoke.WARM_START, "steps": 2})  # the stage's flow, not its learning
     said = []
     model, data, mcore = smoke.prepare(tmp_path, say=said.append)
-    assert mcore == tmp_path / smoke.MCORE
+    names = smoke.folders(seed=0)
+    assert (model, data, mcore) == (tmp_path / names["warm"], tmp_path / names["data"], tmp_path / names["mcore"])
     assert json.loads((mcore / "manifest.json").read_text())["header"]["format"] == "torch_dist"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([smoke.MODEL, smoke.DATA, smoke.MCORE])
+    assert json.loads((model / "warm_start.json").read_text())["source"] == str(tmp_path / names["model"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[k] for k in ("model", "data", "warm", "mcore")])
     again = smoke.prepare(tmp_path, say=said.append)
     assert again == (model, data, mcore) and sum("converting" in s for s in said) == 1, "made once"
+    assert sum("warm-starting" in s for s in said) == 1
     out = smoke.launcher_args(smoke.parser().parse_args([]), model, data, mcore)
     recipe = config.load(out[0], [o for o in out[1:] if "=" in o])
     prepared = run.prepare(recipe, env.NodeFacts("127.0.0.1", "lo", "127.0.0.1", True, None), "t", tmp_path / "logs")
@@ -112,14 +117,27 @@ def test_the_prepared_inputs_pass_the_launchers_input_checks(tmp_path):
     assert prepared.ready
 
 
-def test_a_changed_tiny_model_gets_folders_of_its_own(monkeypatch):
+def test_cold_skips_the_warm_start_and_converts_the_random_model(tmp_path):
+    said = []
+    model, _, mcore = smoke.prepare(tmp_path / "w", warm=False, say=said.append)
+    names = smoke.folders(seed=0)
+    assert model.name == names["model"] and mcore.name == names["cold-mcore"]
+    assert not any("warm-starting" in s for s in said)
+
+
+def test_a_changed_model_task_warm_start_or_seed_gets_folders_of_its_own(monkeypatch):
     from tools.weights import tiny
 
-    before = smoke._model_folders()
-    assert before == (smoke.MODEL, smoke.MCORE) and smoke.MCORE.startswith(smoke.MODEL)
+    before = smoke.folders(seed=0)
+    assert before["mcore"].startswith(before["warm"]) and before["cold-mcore"].startswith(before["model"])
+    assert smoke.folders(seed=1)["warm"] != before["warm"] and smoke.folders(seed=1)["model"] == before["model"]
+    monkeypatch.setattr(smoke, "WARM_START", {**smoke.WARM_START, "lr": 1.0})
+    assert smoke.folders(seed=0)["warm"] != before["warm"] and smoke.folders(seed=0)["data"] == before["data"]
+    monkeypatch.setattr(smoke, "ARITH_ARGS", (*smoke.ARITH_ARGS, "--max-terms", "3"))
+    assert smoke.folders(seed=0)["data"] != before["data"]
     monkeypatch.setitem(tiny.TINY_CONFIG, "num_experts_per_tok", 2)
-    after = smoke._model_folders()
-    assert after[0] != before[0] and after[1] != before[1]
+    after = smoke.folders(seed=0)
+    assert all(after[k] != before[k] for k in before)
 
 
 def test_rollout_is_for_the_megatron_profile(capsys):

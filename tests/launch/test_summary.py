@@ -89,3 +89,43 @@ def test_the_rollout_expert_checks_follow_the_engine():
     assert hf["rollout holds every expert"].ok and "rollout EP spans an instance" not in hf
     hf_ep2 = _rollout_checks([*ROLLOUTS["hf"], "recipe.rollout.expert_parallel_size=2"])
     assert not hf_ep2["rollout holds every expert"].ok
+
+
+VAL = "val-core/synthetic-arith/reward/mean@4"  # what verl 0.4.0's _validate logs, per data source
+
+
+def test_validation_accuracy_gets_a_column_and_the_summary_says_before_and_after(tmp_path):
+    # verl logs the validation before training at step 0 (no training metrics there) and then every test_freq steps
+    _write_events(tmp_path, {0: {VAL: 0.25}, 1: VERL_STEP, 2: {**VERL_STEP, VAL: 0.5}})
+    rows = summary.table(summary.read_steps(tmp_path), samples=8, cards=2, dies_per_card=1)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0][summary.VAL_ACCURACY] == 0.25 and math.isnan(rows[0]["reward mean"])
+    assert math.isnan(rows[1][summary.VAL_ACCURACY]) and rows[2][summary.VAL_ACCURACY] == 0.5
+    text = summary.render(rows, tmp_path, tmp_path / "tb")
+    assert "val accuracy (held-out): step 0 0.250, step 2 0.500" in text
+
+
+def test_validation_accuracy_averages_data_sources_and_ignores_other_validation_metrics():
+    values = {"val-core/a/reward/mean@1": 0.2, "val-core/b/acc/mean@1": 0.6, "val-aux/a/reward/std@1": 9.0,
+              "val-core/a/reward/maj@4/mean": 9.0}
+    assert math.isclose(summary.Step(5, values).val_accuracy, 0.4)
+    assert math.isnan(summary.Step(5, VERL_STEP).val_accuracy)
+
+
+def test_curves_are_drawn_from_the_events_of_one_or_several_runs(tmp_path, capsys):
+    from tools.launch import curves
+
+    for seed, val in ((0, 0.5), (1, 0.625)):
+        _write_events(tmp_path / f"run{seed}" / "tensorboard",
+                      {0: {VAL: 0.25}, 1: VERL_STEP, 2: {**VERL_STEP, VAL: val, "critic/score/mean": 0.5}})
+    rows = curves.read_run(tmp_path / "run1")
+    assert curves.series(rows, curves.VAL) == ([0, 2], [0.25, 0.625])
+    assert curves.series(rows, curves.REWARD) == ([1, 2], [0.25, 0.5])
+    assert curves.main([str(tmp_path / "run0")]) == 0  # one run: beside its events
+    both = tmp_path / "docs" / "curves.png"
+    assert curves.main([str(tmp_path / "run0"), str(tmp_path / "run1"), "--out", str(both)]) == 0
+    for png in (tmp_path / "run0" / "curves.png", both):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert not list(tmp_path.rglob("*.tmp.png")), "written whole, then renamed"
+    assert curves.main([str(tmp_path / "nothing-here")]) == 2
+    assert "no TensorBoard step metrics" in capsys.readouterr().err

@@ -16,6 +16,7 @@ ABSENT = "<absent>"
 
 SIZE = "size: the tiny model, 4 ranks, a few seconds per step"
 DEVICE = "device: CPU ranks on one machine instead of 16 nodes of Atlas A3"
+LEARN = "validation: held-out accuracy before the first step and every 5 steps, the smoke run's learning curve"
 ENGINE = "rollout engine: vLLM 0.9.1's CPU engine (our fork's build) instead of vLLM-Ascend"
 ASCEND_ONLY = ENGINE + "; a vLLM-Ascend setting (additional_config) the CPU engine does not read"
 LAYOUT = "layout: TP2 x PP2 x EP1 on 4 ranks (A3: TP4 x PP8 x EP8 on 256), uneven stages as A3's"
@@ -43,6 +44,13 @@ ALLOWED = {
     "actor_rollout_ref.actor.optim.lr": SIZE + ": a 4-layer random model needs a larger step to move in 20 steps",
     "actor_rollout_ref.rollout.n": SIZE,
     "trainer.total_training_steps": SIZE + ": the smoke run's 3 steps (A3 runs until stopped)",
+    # validation: the smoke run shows that it learns (issue 17); at A3 scale a validation costs a rollout
+    "trainer.test_freq": LEARN,
+    "trainer.val_before_train": LEARN,
+    "actor_rollout_ref.rollout.val_kwargs.top_k": LEARN + " (plain sampling, as the training rollouts)",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": LEARN + " (plain sampling, as the training rollouts)",
+    "actor_rollout_ref.rollout.val_kwargs.temperature": LEARN + " (plain sampling, as the training rollouts)",
+    "actor_rollout_ref.rollout.val_kwargs.n": LEARN + " (4 samples of each held-out problem)",
     "trainer.experiment_name": "name: the profile's own",
     # layout
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": LAYOUT,

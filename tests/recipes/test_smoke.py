@@ -62,7 +62,7 @@ LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 0.02, 0.5
 
 
 @pytest.fixture(scope="module", params=["megatron", "fsdp"])
-def run(request, tmp_path_factory):
+def run(request, tmp_path_factory, smoke_work):
     profile = request.param
     tmp = tmp_path_factory.mktemp(f"smoke-{profile}")
     calls = tmp / "reward_calls.jsonl"
@@ -71,9 +71,11 @@ def run(request, tmp_path_factory):
     port, dash, agent, metrics = (free_port() for _ in range(4))
     started = time.time()
     cmd = [sys.executable, "-m", "tools.launch.smoke", "--profile", profile, "--steps", str(STEPS),
-           "--work", str(tmp / "work"), "--logs", str(tmp / "logs"), "--run-id", "e2e",
+           "--work", str(smoke_work), "--logs", str(tmp / "logs"), "--run-id", "e2e",
            f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
            f"actor_rollout_ref.rollout.n={N}", f"custom_reward_function.path={reward}",
+           # the machinery per step: no validation (each would roll out 4 samples of all 66 held-out problems)
+           "trainer.val_before_train=false", "trainer.test_freq=-1",
            f"launch.ray.port={port}", f"launch.ray.dashboard_port={dash}",
            # the agent and metrics ports of its own, should another Ray run on this machine
            f"launch.ray.extra_start_args=[--dashboard-agent-listen-port={agent},--metrics-export-port={metrics}]"]

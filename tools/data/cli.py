@@ -107,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-terms", type=_at_least(2), default=3, help="most operands in a problem (default 3)")
     p.add_argument("--ops", type=_operators, default=synthetic.OPERATORS,
                    help=f"operators to draw from (default {synthetic.OPERATORS!r})")
+    p.add_argument("--unique", action="store_true",
+                   help="no problem twice, so the test split is truly held out (--n must not exceed what exists)")
     return top
 
 
@@ -142,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load(args: argparse.Namespace) -> tuple[list[Example], list[BadRow], str]:
     if args.command == "synthetic-arith":
-        examples = synthetic.generate(args.n, args.seed, args.max_operand, args.ops, args.max_terms)
+        try:
+            examples = synthetic.generate(args.n, args.seed, args.max_operand, args.ops, args.max_terms, args.unique)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
         return examples, [], synthetic.DATA_SOURCE
     module = {"deepscaler": deepscaler, "gsm8k": gsm8k}[args.command]
     examples, bad = module.read(args.src)

@@ -15,10 +15,27 @@ DATA_SOURCE = "synthetic-arith"
 OPERATORS = "+-*"
 
 
-def generate(n: int, seed: int = 0, max_operand: int = 99, ops: str = OPERATORS, max_terms: int = 3) -> list[Example]:
+def generate(n: int, seed: int = 0, max_operand: int = 99, ops: str = OPERATORS, max_terms: int = 3,
+             unique: bool = False) -> list[Example]:
+    """`n` problems; with `unique`, no two alike, so that a held-out split shares no problem with the train split."""
     # random.Random's integer draws have been stable across Python versions since 3.2.
     rng = random.Random(seed)
-    return [_problem(index, rng, max_operand, ops, max_terms) for index in range(n)]
+    if not unique:
+        return [_problem(index, rng, max_operand, ops, max_terms) for index in range(n)]
+    available = distinct_problems(max_operand, len(ops), max_terms)
+    if n > available:
+        raise ValueError(f"--n {n} unique problems asked, but only {available} exist with --max-operand "
+                         f"{max_operand}, {len(ops)} operator(s) and up to {max_terms} terms; lower --n or widen them")
+    seen: dict[str, Example] = {}
+    while len(seen) < n:
+        ex = _problem(len(seen), rng, max_operand, ops, max_terms)
+        seen.setdefault(ex.problem, ex)
+    return list(seen.values())
+
+
+def distinct_problems(max_operand: int, n_ops: int, max_terms: int) -> int:
+    """How many different problems the generator can draw."""
+    return sum((max_operand + 1) ** k * n_ops ** (k - 1) for k in range(2, max_terms + 1))
 
 
 def _problem(index: int, rng: random.Random, max_operand: int, ops: str, max_terms: int) -> Example:

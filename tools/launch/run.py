@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tools.launch import cluster, config, env, inputs, layout, plan, preflight, summary
+from tools.launch import cluster, config, curves, env, inputs, layout, plan, preflight, summary
 from tools.launch.memory import Estimate
 from tools.model.dims import dims_from_config
 
@@ -157,6 +157,7 @@ def summarize(p: Prepared, say=print) -> None:
     rows = summary.table(steps, lay.sequences, lay.cards, layout.DIES_PER_CARD.get(lay.accelerator, 1))
     summary.write(rows, p.plan.run_dir / "summary.json")
     say(summary.render(rows, p.plan.run_dir, tb_dir))
+    say(f"curves: {curves.plot({p.plan.run_id: rows}, p.plan.run_dir / 'curves.png')}")
 
 
 def run_worker(p: Prepared, say=print) -> int:

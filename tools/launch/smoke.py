@@ -1,7 +1,9 @@
-"""The recipe end to end on this machine's CPUs: tiny model, synthetic data, a few GRPO steps.
+"""The recipe end to end on this machine's CPUs: tiny model, synthetic task, warm start, a few GRPO steps.
 
   python -m tools.launch.smoke                      # 3 steps of the A3 path at small scale (what `nox -s smoke` runs)
-  python -m tools.launch.smoke --steps 20           # watch the reward
+  python -m tools.launch.smoke --steps 30           # the reward and held-out accuracy per step (curves.png)
+  python -m tools.launch.smoke --seed 1             # another task draw, held-out split and warm start
+  python -m tools.launch.smoke --cold               # GRPO from the random model: the loop turns, nothing is learnt
   python -m tools.launch.smoke --profile fsdp       # the FSDP + HF-rollout profile instead
   python -m tools.launch.smoke --random-init        # Megatron's own random init: no checkpoint is loaded
   python -m tools.launch.smoke --rollout hf         # verl's HF engine in the Megatron worker instead of vLLM
@@ -16,13 +18,16 @@ Profiles (--profile):
             FSDP loads the HF checkpoint itself.
 
 Inputs are made once and reused (under --work, default .cache/smoke): a random-init DeepSeek-V3-architecture
-model with a local tokenizer (`python -m tools.weights make-tiny`), easy arithmetic problems in the deepscaler
-parquet schema (`python -m tools.data synthetic-arith`) and, for the megatron profile, the model converted to
-Megatron's torch_dist format (`python -m tools.weights hf-to-mcore`), passed as recipe.weights.mcore_checkpoint.
-Each is written to a `.partial` folder and renamed when complete, so an interrupted preparation is redone, never
-half-used. Then `python -m tools.launch` runs the profile's config with a local Ray cluster it starts and stops,
-and prints the per-step summary. Extra key=value arguments are launcher overrides (e.g. data.train_batch_size=4);
-they come last, so they win.
+model with a local tokenizer (`python -m tools.weights make-tiny`); the task, every sum of two numbers in 0..20
+once, 15% held out, in the deepscaler parquet schema (`python -m tools.data synthetic-arith --unique`); the warm
+start, supervised fine-tuning of the model on the train split's \\boxed{} answers (`python -m tools.weights
+warm-start`), after which it solves part of the held-out sums, so GRPO's groups differ and there is something to
+learn; and, for the megatron profile, the warm-started model converted to Megatron's torch_dist format (`python -m
+tools.weights hf-to-mcore`), passed as recipe.weights.mcore_checkpoint. Each is written to a `.partial` folder and
+renamed when complete, so an interrupted preparation is redone, never half-used. Then `python -m tools.launch` runs
+the profile's config with a local Ray cluster it starts and stops, and prints the per-step summary (reward mean,
+held-out accuracy before the first step and every 5 steps) and saves logs/<run>/curves.png. Extra key=value
+arguments are launcher overrides (e.g. data.train_batch_size=4); they come last, so they win.
 """
 
 from __future__ import annotations
@@ -45,21 +50,30 @@ ROLLOUTS = {
 }
 
 
-def _model_folders() -> tuple[str, str]:
-    """The model's folder names under --work carry a digest of make-tiny's config, so a changed tiny model (and its
-    conversion) is made anew instead of a stale one being reused."""
+def _digest(*parts) -> str:
     import hashlib
     import json
 
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()[:8]
+
+
+# The task: sums of two numbers in 0..20, no problem twice, 15% of them held out for validation (66 problems the warm
+# start and GRPO never train on). The short instruction keeps the character-level prompts short (at most 39 tokens).
+ARITH_ARGS = ("--n", "441", "--ops", "+", "--max-operand", "20", "--max-terms", "2", "--unique",
+              "--test-ratio", "0.15", "--instruction", "Answer in \\boxed{}.")
+# The warm start: the answer format and part of the sums (29% of the held-out ones greedily, 15-21% sampled).
+WARM_START = {"steps": 400, "batch_size": 32, "lr": 2e-3, "warmup_steps": 10}  # tools.weights.warm_start.Settings
+
+
+def folders(seed: int) -> dict[str, str]:
+    """Folder names under --work. Each carries a digest of what makes it, so a changed tiny model, task or warm start
+    (and everything made from it) is made anew instead of a stale one being reused."""
     from tools.weights.tiny import TINY_CONFIG
 
-    digest = hashlib.sha256(json.dumps(TINY_CONFIG, sort_keys=True).encode()).hexdigest()[:8]
-    return f"tiny-{digest}", f"tiny-{digest}-mcore"
-
-
-(MODEL, MCORE), DATA = _model_folders(), "arith"  # folders under --work
-# Easy problems (sums of two numbers up to 20): the strict reward gives a tiny model a reachable target.
-ARITH_ARGS = ("--n", "2000", "--ops", "+", "--max-operand", "20", "--max-terms", "2")
+    model = f"tiny-{_digest(TINY_CONFIG)}"
+    data = f"arith-{_digest(ARITH_ARGS, seed)}"
+    warm = f"warm-{_digest(TINY_CONFIG, ARITH_ARGS, WARM_START, seed)}"
+    return {"model": model, "data": data, "warm": warm, "mcore": f"{warm}-mcore", "cold-mcore": f"{model}-mcore"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,6 +88,12 @@ def parser() -> argparse.ArgumentParser:
                    help="megatron profile: vllm (default, vLLM's CPU engine) or hf (verl's HF engine in the worker,"
                         " one per rank; same weight sync and lifecycle)")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps (trainer.total_training_steps; default 3)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the task's problems and held-out pick and of the warm start (default 0); each seed"
+                        " gets inputs of its own under --work")
+    p.add_argument("--cold", action="store_true",
+                   help="no warm start: GRPO from the random model (its reward stays 0: the loop turns, nothing"
+                        " is learnt)")
     p.add_argument("--work", type=Path, default=ROOT / ".cache/smoke", help="where the model and data are made")
     p.add_argument("--logs", type=Path, default=ROOT / "logs", help="where run folders go (default logs/)")
     p.add_argument("--run-id", help="run name (default <config name>-<UTC time>, e.g. cpu-tiny-20250101-120000)")
@@ -92,10 +112,14 @@ def complete(dst: Path, make) -> Path:
     return dst
 
 
-def prepare(work: Path, convert: bool = True, say=print) -> tuple[Path, Path, Path | None]:
-    """The tiny model, the arithmetic data and (with `convert`) its torch_dist conversion under `work`, made once."""
+def prepare(work: Path, convert: bool = True, seed: int = 0, warm: bool = True,
+            say=print) -> tuple[Path, Path, Path | None]:
+    """The model (the tiny random one, warm-started on the task unless `warm` is off), the task's data and (with
+    `convert`) the model's torch_dist conversion under `work`, each made once."""
     from tools.data.cli import main as data_main
     from tools.weights.tiny import make_tiny
+
+    names = folders(seed)
 
     def model(dst: Path) -> None:
         say(f"making the tiny model in {dst.with_suffix('')}")
@@ -103,18 +127,28 @@ def prepare(work: Path, convert: bool = True, say=print) -> tuple[Path, Path, Pa
 
     def data(dst: Path) -> None:
         say(f"making the arithmetic data in {dst.with_suffix('')}")
-        if data_main(["synthetic-arith", "--dst", str(dst), *ARITH_ARGS]) != 0:
+        if data_main(["synthetic-arith", "--dst", str(dst), "--seed", str(seed), *ARITH_ARGS]) != 0:
             raise SystemExit("synthetic-arith failed (its message is above)")
 
-    tiny = complete(work / MODEL, model)
+    tiny, task = complete(work / names["model"], model), complete(work / names["data"], data)
+
+    start = work / names["warm"] if warm else tiny
+    if not start.is_dir():  # the warm start writes its folder whole or not at all itself
+        from tools.weights import warm_start
+
+        say(f"warm-starting the tiny model on {task.name}'s train split in {start}")
+        warm_start.warm_start(tiny, task / "train.parquet", start, warm_start.Settings(**WARM_START, seed=seed),
+                              held_out=task / "test.parquet", say=say)
 
     def mcore(dst: Path) -> None:
         from tools.weights.dist import hf_to_torch_dist
 
-        say(f"converting the tiny model to torch_dist in {dst.with_suffix('')}")
-        hf_to_torch_dist(tiny, dst, say=say)
+        say(f"converting {start.name} to torch_dist in {dst.with_suffix('')}")
+        hf_to_torch_dist(start, dst, say=say)
 
-    return tiny, complete(work / DATA, data), complete(work / MCORE, mcore) if convert else None
+    if not convert:
+        return start, task, None
+    return start, task, complete(work / names["mcore" if warm else "cold-mcore"], mcore)
 
 
 def needs_checkpoint(args: argparse.Namespace) -> bool:
@@ -156,10 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tools.launch.cli import main as launch
 
+    warm = not (args.cold or args.random_init)  # Megatron's random init loads no weights: nothing to warm-start
     if args.dry_run:
-        model, data, mcore = args.work / MODEL, args.work / DATA, args.work / MCORE
+        names = folders(args.seed)
+        model = args.work / names["warm" if warm else "model"]
+        data, mcore = args.work / names["data"], args.work / names["mcore" if warm else "cold-mcore"]
     else:
-        model, data, mcore = prepare(args.work, convert=needs_checkpoint(args))
+        model, data, mcore = prepare(args.work, convert=needs_checkpoint(args), seed=args.seed, warm=warm)
     return launch(launcher_args(args, model, data, mcore if needs_checkpoint(args) else None))
 
 

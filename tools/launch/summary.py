@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from tools.launch import metrics
 
 REWARD = "critic/score/mean"  # verl's mean sequence score (our reward: 1 correct, 0 otherwise)
+# verl's validation (trainer.val_before_train, trainer.test_freq): the mean score of val_kwargs.n samples per held-out
+# prompt, one tag per data source (`acc` where a reward returns it, else `reward`)
+VAL_TAG = re.compile(r"^val-core/[^/]+/(acc|reward)/mean@\d+$")
+VAL_ACCURACY = "val accuracy"
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,12 @@ class Step:
     @property
     def reward(self) -> float:
         return self.values.get(REWARD, math.nan)
+
+    @property
+    def val_accuracy(self) -> float:
+        """The held-out accuracy validated at this step (the mean over data sources), NaN where none ran."""
+        found = [v for tag, v in self.values.items() if VAL_TAG.match(tag)]
+        return sum(found) / len(found) if found else math.nan
 
 
 def read_steps(tb_dir: Path) -> list[Step]:
@@ -65,7 +76,7 @@ def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> li
     """One row per step: reward, response length, step time, TPS per card and per die, phase times."""
     rows = []
     for s in steps:
-        row = {"step": s.step, "reward mean": s.reward,
+        row = {"step": s.step, "reward mean": s.reward, VAL_ACCURACY: s.val_accuracy,
                "response length": s.values.get("response_length/mean", math.nan),
                "step time (s)": s.values.get("timing_s/step", math.nan)}
         row.update(throughput(s, samples, cards, dies_per_card))
@@ -79,7 +90,7 @@ def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
     files are."""
     from rich.console import Console
 
-    columns = ["step", "reward mean", "response length", "step time (s)", "system TPS per card",
+    columns = ["step", "reward mean", VAL_ACCURACY, "response length", "step time (s)", "system TPS per card",
                "system TPS per die", "rollout time (s)", "ref time (s)", "update time (s)"]
     # the A3 path's reshard and offload phases (0 elsewhere)
     columns += [c for c in ("reshard time (s)", "offload time (s)") if any(r.get(c, 0) for r in rows)]
@@ -87,14 +98,19 @@ def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
     checks = ["step"] + [name for name, _ in OPTIONAL_COLUMNS if any(name in r for r in rows)]
     console = Console(width=240, record=True, force_terminal=False)
     with console.capture() as cap:
-        console.print(_table(f"run summary: {len(rows)} step(s)", columns, rows))
+        trained = sum(r["step"] > 0 for r in rows)  # step 0: the validation before training, when it runs
+        console.print(_table(f"run summary: {trained} step(s)", columns, rows))
         if len(checks) > 1:
             console.print(_table("checks per step", checks, rows))
     lines = [cap.get().rstrip()]
     rewards = [r["reward mean"] for r in rows if not math.isnan(r["reward mean"])]
     if len(rewards) >= 2:
         lines.append(f"reward mean: first {rewards[0]:.3f}, last {rewards[-1]:.3f}, best {max(rewards):.3f}")
-    lines += [f"logs: {run_dir}/ (trainer.log, config.yaml, verl.yaml, summary.json)",
+    vals = [(r["step"], r[VAL_ACCURACY]) for r in rows if not math.isnan(r[VAL_ACCURACY])]
+    if vals:
+        (first, before), (last, after) = vals[0], vals[-1]
+        lines.append(f"val accuracy (held-out): step {first} {before:.3f}, step {last} {after:.3f}")
+    lines += [f"logs: {run_dir}/ (trainer.log, config.yaml, verl.yaml, summary.json, curves.png)",
               f"tensorboard: tensorboard --logdir {tb_dir}"]
     return "\n".join(lines) + "\n"
 

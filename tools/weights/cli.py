@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from tools.model.errors import ConfigError
-from tools.weights import convert_cli, fp8, tiny_cli
+from tools.weights import convert_cli, fp8, tiny_cli, warm_start_cli
 from tools.weights.io import CheckpointError
 
 DESCRIPTION = """\
@@ -21,6 +21,7 @@ Prepare DeepSeek-V3/R1 weights for the recipe.
       --tp 4 --pp 8 --ep 8 --num-layer-list 7,7,8,8,8,8,8,7 --moe-tp-extend-ep
   python -m tools.weights verify --src DeepSeek-V3-bf16 --converted ckpt/ --sample 64
   python -m tools.weights make-tiny --dst tiny/ [--fp8]
+  python -m tools.weights warm-start --src tiny/ --train arith/train.parquet --dst tiny-warm/   # SFT, the RL start
 
 Outputs are written atomically with a manifest.json (sha256 per file); --resume continues an
 interrupted run, verifying and skipping finished files (torch_dist is one unit: it appears only when
@@ -33,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.weights", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (fp8, convert_cli, tiny_cli):
+    for module in (fp8, convert_cli, tiny_cli, warm_start_cli):
         module.register(sub)
     return p
 

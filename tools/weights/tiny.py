@@ -63,6 +63,9 @@ TINY_CONFIG = {
     "num_nextn_predict_layers": 0,
     "bos_token_id": 0,
     "eos_token_id": 1,
+    # the tokenizer's <|pad|>: verl 0.4.0's FSDP worker takes the HF rollout's pad id from the generation config
+    # (built from config.json), and pads early-stopped generations with it
+    "pad_token_id": 2,
     "torch_dtype": "bfloat16",
     "use_cache": True,
 }
@@ -116,13 +119,14 @@ def make_tiny(dst: Path, *, fp8: bool = False, overrides: dict | None = None, se
             stored[name] = tensors[name]
     if fp8:
         config["quantization_config"] = FP8_QUANTIZATION
-    _write(dst, config, stored, scales, shards, split_scales)
+    write_checkpoint(dst, config, stored, scales, shards, split_scales)
     if tokenizer:
         write_tokenizer(dst, dims.vocab)
     return tensors
 
 
-def _write(dst: Path, config: dict, stored: dict, scales: dict, shards: int, split_scales: bool) -> None:
+def write_checkpoint(dst: Path, config: dict, stored: dict, scales: dict, shards: int, split_scales: bool) -> None:
+    """Tensors split over `shards` safetensors files with their index and config.json: an HF checkpoint."""
     dst.mkdir(parents=True, exist_ok=True)
     names = list(stored)
     groups: list[list[str]] = [names[i * len(names) // shards:(i + 1) * len(names) // shards] for i in range(shards)]
