@@ -99,7 +99,7 @@ def test_user_overrides_come_last_so_they_win(tmp_path):
 def test_the_prepared_inputs_pass_the_launchers_input_checks(tmp_path, monkeypatch):
     """make-tiny, synthetic-arith, the warm start and hf-to-mcore (torch_dist) for real, once; the launcher accepts
     what they made."""
-    monkeypatch.setattr(smoke, "WARM_START", {**smoke.WARM_START, "steps": 2})  # the stage's flow, not its learning
+    monkeypatch.setattr(smoke, "WARM_START", {"steps": 2})  # the stage's flow, not its learning
     said = []
     model, data, mcore = smoke.prepare(tmp_path, say=said.append)
     names = smoke.folders(seed=0)
@@ -131,7 +131,7 @@ def test_a_changed_model_task_warm_start_or_seed_gets_folders_of_its_own(monkeyp
     before = smoke.folders(seed=0)
     assert before["mcore"].startswith(before["warm"]) and before["cold-mcore"].startswith(before["model"])
     assert smoke.folders(seed=1)["warm"] != before["warm"] and smoke.folders(seed=1)["model"] == before["model"]
-    monkeypatch.setattr(smoke, "WARM_START", {**smoke.WARM_START, "lr": 1.0})
+    monkeypatch.setattr(smoke, "WARM_START", {"lr": 1.0})
     assert smoke.folders(seed=0)["warm"] != before["warm"] and smoke.folders(seed=0)["data"] == before["data"]
     monkeypatch.setattr(smoke, "ARITH_ARGS", (*smoke.ARITH_ARGS, "--max-terms", "3"))
     assert smoke.folders(seed=0)["data"] != before["data"]

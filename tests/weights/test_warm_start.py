@@ -120,3 +120,22 @@ def test_the_command_line_refuses_an_existing_destination(inputs, warmed, capsys
             "--dst", str(ckpt), "--steps", "1"]
     assert weights_main(args) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_help_explains_every_setting(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        weights_main(["warm-start", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "--dry-run" in out and "(written to DST.partial, then renamed)" in out
+    for flag, words in (("--steps", "29% of held-out sums"), ("--batch-size", "drawn with replacement"),
+                        ("--lr", "peak AdamW"), ("--warmup-steps", "cosine decay"), ("--seed", "seed of the draws")):
+        assert flag in out and words in out, flag
+
+
+def test_dry_run_checks_and_writes_nothing(inputs, tmp_path, capsys):
+    args = ["warm-start", "--src", str(inputs / "tiny"), "--train", str(inputs / "data/train.parquet"),
+            "--dst", str(tmp_path / "w"), "--dry-run"]
+    assert weights_main(args) == 0
+    assert "on 90 rows" in capsys.readouterr().out and not (tmp_path / "w").exists()
+    assert weights_main([*args, "--lr", "-1"]) == 2
+    assert "--lr is -1.0" in capsys.readouterr().err

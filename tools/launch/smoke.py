@@ -61,8 +61,17 @@ def _digest(*parts) -> str:
 # start and GRPO never train on). The short instruction keeps the character-level prompts short (at most 39 tokens).
 ARITH_ARGS = ("--n", "441", "--ops", "+", "--max-operand", "20", "--max-terms", "2", "--unique",
               "--test-ratio", "0.15", "--instruction", "Answer in \\boxed{}.")
-# The warm start: the answer format and part of the sums (29% of the held-out ones greedily, 15-21% sampled).
-WARM_START = {"steps": 400, "batch_size": 32, "lr": 2e-3, "warmup_steps": 10}  # tools.weights.warm_start.Settings
+# The warm start: tools.weights.warm_start.Settings' defaults (the answer format and part of the sums: 29% of the
+# held-out ones greedily, 15-21% sampled), with these overrides.
+WARM_START: dict = {}
+
+
+def warm_start_settings(seed: int):
+    from dataclasses import asdict
+
+    from tools.weights.warm_start import Settings
+
+    return asdict(Settings(**{**WARM_START, "seed": seed}))
 
 
 def folders(seed: int) -> dict[str, str]:
@@ -72,7 +81,7 @@ def folders(seed: int) -> dict[str, str]:
 
     model = f"tiny-{_digest(TINY_CONFIG)}"
     data = f"arith-{_digest(ARITH_ARGS, seed)}"
-    warm = f"warm-{_digest(TINY_CONFIG, ARITH_ARGS, WARM_START, seed)}"
+    warm = f"warm-{_digest(TINY_CONFIG, ARITH_ARGS, warm_start_settings(seed))}"
     return {"model": model, "data": data, "warm": warm, "mcore": f"{warm}-mcore", "cold-mcore": f"{model}-mcore"}
 
 
@@ -137,7 +146,7 @@ def prepare(work: Path, convert: bool = True, seed: int = 0, warm: bool = True,
         from tools.weights import warm_start
 
         say(f"warm-starting the tiny model on {task.name}'s train split in {start}")
-        warm_start.warm_start(tiny, task / "train.parquet", start, warm_start.Settings(**WARM_START, seed=seed),
+        warm_start.warm_start(tiny, task / "train.parquet", start, warm_start.Settings(**warm_start_settings(seed)),
                               held_out=task / "test.parquet", say=say)
 
     def mcore(dst: Path) -> None:

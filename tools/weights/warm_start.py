@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -34,11 +34,11 @@ IGNORE = -100  # labels the loss skips: prompt and padding
 class Settings:
     """What the warm start does; every field is a `python -m tools.weights warm-start` flag."""
 
-    steps: int = 150
-    batch_size: int = 32
-    lr: float = 2e-3
-    warmup_steps: int = 10
-    seed: int = 0
+    steps: int = field(default=400, metadata={"help": "optimizer steps (400: 29% of held-out sums in 0..20)"})
+    batch_size: int = field(default=32, metadata={"help": "examples per step, drawn with replacement"})
+    lr: float = field(default=2e-3, metadata={"help": "peak AdamW learning rate"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps before the cosine decay"})
+    seed: int = field(default=0, metadata={"help": "seed of the draws and of torch"})
 
     def check(self) -> None:
         for name in ("steps", "batch_size"):

@@ -23,16 +23,15 @@ The output appears only when complete (written to DST.partial, then renamed); an
 
 def register(sub) -> None:
     p = sub.add_parser("warm-start", help="fine-tune a small HF checkpoint on a task's \\boxed{} answers (SFT)",
-                       description=warm_start.__doc__.split("\n\n")[0].split(": ", 1)[1] + "\n\n" + EPILOG,
+                       description=warm_start.__doc__.split("\n\n")[0].split(": ", 1)[1].capitalize() + "\n\n" + EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--src", type=Path, required=True, help="the HF checkpoint to start from (e.g. make-tiny's)")
     p.add_argument("--train", type=Path, required=True, help="train.parquet written by python -m tools.data")
     p.add_argument("--held-out", type=Path, help="test.parquet: greedy accuracy before and after, in the report")
     p.add_argument("--dst", type=Path, required=True, help="output directory (must not exist)")
-    defaults = warm_start.Settings()
     for f in fields(warm_start.Settings):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)),
-                       default=getattr(defaults, f.name), help=f"(default {getattr(defaults, f.name)})")
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                       help=f"{f.metadata['help']} (default {f.default})".replace("%", "%%"))  # argparse formats
     p.add_argument("--dry-run", action="store_true", help="check the inputs and settings; train and write nothing")
     p.set_defaults(func=run)
 
