@@ -44,7 +44,7 @@ ALLOWED = {
     "actor_rollout_ref.actor.optim.lr": SIZE + ": a 4-layer random model needs a larger step to move in 20 steps",
     "actor_rollout_ref.rollout.n": SIZE,
     "trainer.total_training_steps": SIZE + ": the smoke run's 3 steps (A3 runs until stopped)",
-    # validation: the smoke run shows that it learns (issue 17); at A3 scale a validation costs a rollout
+    # validation: the smoke run's learning curve (issue 17); at A3 scale each validation costs a rollout
     "trainer.test_freq": LEARN,
     "trainer.val_before_train": LEARN,
     "actor_rollout_ref.rollout.val_kwargs.top_k": LEARN + " (plain sampling, as the training rollouts)",
