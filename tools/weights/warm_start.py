@@ -148,7 +148,7 @@ def train(model, tokenizer, examples: list[Example], settings: Settings, progres
         opt.step()
         sched.step()
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)  # drawn at mininterval, not every step
     return losses
 
 
