@@ -23,7 +23,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from tools.weights.io import INDEX, CheckpointError
+from tools.weights.hf import load_config
+from tools.weights.io import INDEX, CheckpointError, ShardedReader, reader_spans
 from tools.weights.tiny import write_checkpoint
 
 REPORT = "warm_start.json"
@@ -152,30 +153,28 @@ def train(model, tokenizer, examples: list[Example], settings: Settings, progres
     return losses
 
 
-def check_inputs(src: Path, train_file: Path, dst: Path, settings: Settings) -> int:
-    """CheckpointError naming what is wrong before any work; returns the number of train rows."""
+def check_inputs(src: Path, train_file: Path, dst: Path, settings: Settings) -> list[Example]:
+    """CheckpointError naming what is wrong before any work; returns the train rows."""
     settings.check()
     if not (src / INDEX).is_file():
         raise CheckpointError(f"{src}: no {INDEX}; give a sharded HF checkpoint such as make-tiny's")
     if dst.exists():
         raise CheckpointError(f"{dst} exists; remove it or give another --dst (a warm start is never written over)")
-    return len(read_examples(train_file))
+    return read_examples(train_file)
 
 
 def warm_start(src: Path, train_file: Path, dst: Path, settings: Settings = Settings(), held_out: Path | None = None,
                say=print, progress: bool = True) -> dict:
     """Fine-tune the checkpoint at `src` on `train_file` and write it to `dst` in `src`'s layout, whole or not at all
     (built in `<dst>.partial`, renamed when complete); returns the report."""
-    check_inputs(src, train_file, dst, settings)
+    examples = check_inputs(src, train_file, dst, settings)
     torch.manual_seed(settings.seed)
-    examples = read_examples(train_file)
     test = read_examples(held_out) if held_out else []
-    model, tokenizer = load_model(src, torch.float32)
     report = {"settings": asdict(settings), "source": str(src), "train_file": str(train_file),
               "train_rows": len(examples)}
-    if test:
-        report["held_out_accuracy_before"] = accuracy(model.to(torch.bfloat16), tokenizer, test)
-        model.float()
+    if test:  # in bf16, as the RL run computes, and as the result is measured below
+        report["held_out_accuracy_before"] = accuracy(*load_model(src, torch.bfloat16), test)
+    model, tokenizer = load_model(src, torch.float32)
     say(f"warm start: {settings.steps} steps of {settings.batch_size} on {len(examples)} rows of {train_file}")
     report["loss"] = train(model, tokenizer, examples, settings, progress)
     partial = dst.with_name(dst.name + ".partial")
@@ -193,23 +192,13 @@ def warm_start(src: Path, train_file: Path, dst: Path, settings: Settings = Sett
 
 def write_like(src: Path, dst: Path, state: dict[str, torch.Tensor]) -> None:
     """`state` written with `src`'s shards, tensor names and dtypes, config.json and tokenizer files."""
-    from safetensors import safe_open
-
-    index = json.loads((src / INDEX).read_text())["weight_map"]
-    shards = sorted(set(index.values()))
-    dtypes = {}
-    for shard in shards:
-        with safe_open(str(src / shard), "pt") as f:
-            dtypes.update({name: f.get_slice(name).get_dtype() for name in f.keys()})
-    missing = sorted(set(index) - set(state))
+    reader = ShardedReader(src)
+    spans = reader_spans(reader)  # each tensor's dtype, from the shard headers alone
+    missing = sorted(set(spans) - set(state))
     if missing:
         raise CheckpointError(f"the trained model lacks {len(missing)} tensors of {src}, e.g. {missing[:3]}")
-    stored = {name: state[name].detach().to(_DTYPES[dtypes[name]]).contiguous() for name in index}
-    config = json.loads((src / "config.json").read_text())
-    write_checkpoint(dst, config, stored, {}, len(shards), split_scales=False)
+    stored = {name: state[name].detach().to(spans[name].dtype).contiguous() for name in reader.names()}
+    write_checkpoint(dst, load_config(src), stored, {}, len(reader.shards()), split_scales=False)
     for extra in src.iterdir():
         if extra.is_file() and extra.name.startswith(("tokenizer", "special_tokens")):
             shutil.copyfile(extra, dst / extra.name)
-
-
-_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
