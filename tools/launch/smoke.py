@@ -67,22 +67,29 @@ WARM_START: dict = {}
 
 
 def warm_start_settings(seed: int):
-    from dataclasses import asdict
-
     from tools.weights.warm_start import Settings
 
-    return asdict(Settings(**{**WARM_START, "seed": seed}))
+    return Settings(**{**WARM_START, "seed": seed})
 
 
 def folders(seed: int) -> dict[str, str]:
     """Folder names under --work. Each carries a digest of what makes it, so a changed tiny model, task or warm start
     (and everything made from it) is made anew instead of a stale one being reused."""
+    from dataclasses import asdict
+
     from tools.weights.tiny import TINY_CONFIG
 
     model = f"tiny-{_digest(TINY_CONFIG)}"
     data = f"arith-{_digest(ARITH_ARGS, seed)}"
-    warm = f"warm-{_digest(TINY_CONFIG, ARITH_ARGS, warm_start_settings(seed))}"
+    warm = f"warm-{_digest(TINY_CONFIG, ARITH_ARGS, asdict(warm_start_settings(seed)))}"
     return {"model": model, "data": data, "warm": warm, "mcore": f"{warm}-mcore", "cold-mcore": f"{model}-mcore"}
+
+
+def destinations(work: Path, seed: int, warm: bool) -> tuple[Path, Path, Path]:
+    """Where the run's model (warm-started or not), data and conversion lie under `work`, made or not."""
+    names = folders(seed)
+    model, mcore = ("warm", "mcore") if warm else ("model", "cold-mcore")
+    return work / names[model], work / names["data"], work / names[mcore]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -129,6 +136,7 @@ def prepare(work: Path, convert: bool = True, seed: int = 0, warm: bool = True,
     from tools.weights.tiny import make_tiny
 
     names = folders(seed)
+    start, _, converted = destinations(work, seed, warm)
 
     def model(dst: Path) -> None:
         say(f"making the tiny model in {dst.with_suffix('')}")
@@ -141,12 +149,11 @@ def prepare(work: Path, convert: bool = True, seed: int = 0, warm: bool = True,
 
     tiny, task = complete(work / names["model"], model), complete(work / names["data"], data)
 
-    start = work / names["warm"] if warm else tiny
     if not start.is_dir():  # the warm start writes its folder whole or not at all itself
         from tools.weights import warm_start
 
         say(f"warm-starting the tiny model on {task.name}'s train split in {start}")
-        warm_start.warm_start(tiny, task / "train.parquet", start, warm_start.Settings(**warm_start_settings(seed)),
+        warm_start.warm_start(tiny, task / "train.parquet", start, warm_start_settings(seed),
                               held_out=task / "test.parquet", say=say)
 
     def mcore(dst: Path) -> None:
@@ -157,7 +164,7 @@ def prepare(work: Path, convert: bool = True, seed: int = 0, warm: bool = True,
 
     if not convert:
         return start, task, None
-    return start, task, complete(work / names["mcore" if warm else "cold-mcore"], mcore)
+    return start, task, complete(converted, mcore)
 
 
 def needs_checkpoint(args: argparse.Namespace) -> bool:
@@ -201,9 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warm = not (args.cold or args.random_init)  # Megatron's random init loads no weights: nothing to warm-start
     if args.dry_run:
-        names = folders(args.seed)
-        model = args.work / names["warm" if warm else "model"]
-        data, mcore = args.work / names["data"], args.work / names["mcore" if warm else "cold-mcore"]
+        model, data, mcore = destinations(args.work, args.seed, warm)
     else:
         model, data, mcore = prepare(args.work, convert=needs_checkpoint(args), seed=args.seed, warm=warm)
     return launch(launcher_args(args, model, data, mcore if needs_checkpoint(args) else None))
