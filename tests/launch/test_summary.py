@@ -129,3 +129,9 @@ def test_curves_are_drawn_from_the_events_of_one_or_several_runs(tmp_path, capsy
     assert not list(tmp_path.rglob("*.tmp.png")), "written whole, then renamed"
     assert curves.main([str(tmp_path / "nothing-here")]) == 2
     assert "no TensorBoard step metrics" in capsys.readouterr().err
+
+
+def test_the_y_axis_ends_where_a_small_rise_stays_visible():
+    from tools.launch import curves
+
+    assert [curves.ylim_top(p) for p in (0.0, 0.19, 0.25, 0.26, 0.5, 0.7, 1.0)] == [0.25, 0.25, 0.25, 0.5, 0.5, 1, 1]

@@ -40,10 +40,11 @@ ALLOWED = {
     "data.max_response_length": SIZE,
     "data.train_batch_size": SIZE,
     "actor_rollout_ref.actor.ppo_mini_batch_size": SIZE + " (= train_batch_size, as A3)",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": SIZE + ": 8 micro-batches of 4 through 2 stages",
-    "actor_rollout_ref.actor.optim.lr": SIZE + ": a 4-layer random model needs a larger step to move in 20 steps",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": SIZE + ": 16 micro-batches of 8 through 2 stages",
+    "actor_rollout_ref.actor.optim.lr": LEARN + ": the warm-started 4-layer model's accuracy rises within 20 steps",
     "actor_rollout_ref.rollout.n": SIZE,
     "trainer.total_training_steps": SIZE + ": the smoke run's 3 steps (A3 runs until stopped)",
+    "trainer.total_epochs": SIZE + ": a pass over the tiny task is 23 steps; total_training_steps ends the run",
     # validation: the smoke run's learning curve (issue 17); at A3 scale each validation costs a rollout
     "trainer.test_freq": LEARN,
     "trainer.val_before_train": LEARN,

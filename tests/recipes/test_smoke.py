@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.gloo import free_port
+from tests.recipes.smoke_run import run_smoke
 from tools.launch import cluster
 
 pytestmark = pytest.mark.slow
@@ -68,20 +65,11 @@ def run(request, tmp_path_factory, smoke_work):
     calls = tmp / "reward_calls.jsonl"
     reward = tmp / "counting_reward.py"
     reward.write_text(COUNTING_REWARD.format(root=str(ROOT), calls=str(calls)))
-    port, dash, agent, metrics = (free_port() for _ in range(4))
-    started = time.time()
-    cmd = [sys.executable, "-m", "tools.launch.smoke", "--profile", profile, "--steps", str(STEPS),
-           "--work", str(smoke_work), "--logs", str(tmp / "logs"), "--run-id", "e2e",
-           f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
-           f"actor_rollout_ref.rollout.n={N}", f"custom_reward_function.path={reward}",
-           # the machinery per step: no validation (each would roll out 4 samples of all 66 held-out problems)
-           "trainer.val_before_train=false", "trainer.test_freq=-1",
-           f"launch.ray.port={port}", f"launch.ray.dashboard_port={dash}",
-           # the agent and metrics ports of its own, should another Ray run on this machine
-           f"launch.ray.extra_start_args=[--dashboard-agent-listen-port={agent},--metrics-export-port={metrics}]"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    return {"proc": proc, "run_dir": tmp / "logs" / "e2e", "calls": calls, "port": port, "started": started,
-            "profile": profile}
+    overrides = (f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
+                 f"actor_rollout_ref.rollout.n={N}", f"custom_reward_function.path={reward}",
+                 # the machinery per step: no validation (each would roll out 4 samples of all 66 held-out problems)
+                 "trainer.val_before_train=false", "trainer.test_freq=-1")
+    return {**run_smoke(profile, STEPS, smoke_work, tmp / "logs", *overrides), "calls": calls}
 
 
 def _scalars(run_dir: Path) -> dict[int, dict[str, float]]:

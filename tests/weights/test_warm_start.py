@@ -4,6 +4,7 @@ written in the source checkpoint's own layout, refused with a message that names
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -56,10 +57,18 @@ def test_the_response_is_the_boxed_answer_and_only_it_is_trained_on(inputs):
     assert ids[0, :len(prompt)].tolist() == prompt and mask.sum() == len(prompt) + len(trained)
 
 
+def smoothed_floor(eps: float, vocab: int) -> float:
+    """The least label-smoothed cross entropy: the entropy of the smoothed one-hot target."""
+    top, rest = 1 - eps + eps / vocab, eps / vocab
+    return -top * math.log(top) - (vocab - 1) * rest * math.log(rest)
+
+
 def test_fine_tuning_lowers_the_loss_and_learns_the_answer_format(warmed):
-    _, report, said = warmed
-    loss = report["loss"]
-    assert len(loss) == 40 and sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 / 4, loss
+    ckpt, report, said = warmed
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    floor = smoothed_floor(report["settings"]["label_smoothing"], vocab)
+    loss = [x - floor for x in report["loss"]]  # what is left to learn
+    assert len(loss) == 40 and min(loss) > 0 and sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 / 4, loss
     # the random model never answers in the format; the fine-tuned one does, on problems it never saw
     assert report["held_out_accuracy_before"] == 0.0
     assert any("held-out accuracy: 0.000 before" in s for s in said)
@@ -79,6 +88,23 @@ def test_the_output_has_the_sources_layout_with_trained_weights(inputs, warmed):
     assert saved["settings"]["steps"] == 40 and saved["train_rows"] == 90 and saved["loss"] == report["loss"]
 
 
+def test_the_loss_is_the_label_smoothed_cross_entropy_of_the_response(inputs):
+    """A step's loss is (1 - eps) x transformers' own cross entropy + eps x the mean over the vocabulary of -log p,
+    over the response tokens: the definition of label smoothing."""
+    model, tok = warm_start.load_model(inputs / "tiny", torch.float32)
+    row = warm_start.read_examples(inputs / "data/train.parquet")[:1]  # every draw of the step is this row
+    ids, mask, labels = warm_start.encode(tok, row)
+    with torch.no_grad():
+        ce = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+    spread = -logp[labels[:, 1:] != warm_start.IGNORE].mean(-1).mean().item()
+    assert spread > ce  # a random model: the labels a little likelier than the average token
+    for eps in (0.0, 0.1):
+        settings = warm_start.Settings(steps=1, batch_size=2, lr=1e-12, label_smoothing=eps)
+        (loss,) = warm_start.train(model, tok, row, settings, progress=False)  # measured before its update
+        assert loss == pytest.approx((1 - eps) * ce + eps * spread, rel=1e-5), eps
+
+
 def test_the_trained_model_boxes_its_answers_and_its_accuracy_is_reproducible(inputs, warmed):
     ckpt, report, _ = warmed
     model, tok = warm_start.load_model(ckpt, torch.bfloat16)
@@ -93,7 +119,7 @@ def test_the_trained_model_boxes_its_answers_and_its_accuracy_is_reproducible(in
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("steps", 0, "--steps is 0"), ("batch_size", -1, "--batch-size is -1"), ("lr", 0.0, "--lr is 0.0"),
-    ("warmup_steps", -2, "--warmup-steps is -2")])
+    ("warmup_steps", -2, "--warmup-steps is -2"), ("label_smoothing", 1.0, "--label-smoothing is 1.0")])
 def test_bad_settings_are_named(inputs, tmp_path, field, value, message):
     with pytest.raises(CheckpointError, match=message):
         warm_start.warm_start(inputs / "tiny", inputs / "data/train.parquet", tmp_path / "w",

@@ -25,6 +25,11 @@ def series(rows: list[dict[str, float]], column: str) -> tuple[list[int], list[f
     return [s for s, _ in points], [v for _, v in points]
 
 
+def ylim_top(peak: float) -> float:
+    """The y axis ends at 0.25, 0.5 or 1: a rise from 0.1 to 0.2 stays visible, and runs compare on a few scales."""
+    return next(top for top in (0.25, 0.5, 1.0) if peak <= top)
+
+
 def plot(runs: dict[str, list[dict[str, float]]], out: Path, title: str = "") -> Path:
     """One figure: per run, the reward mean of the training rollouts (line) and the validation accuracy (markers)."""
     import matplotlib
@@ -34,6 +39,7 @@ def plot(runs: dict[str, list[dict[str, float]]], out: Path, title: str = "") ->
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
+    peak = max((v for rows in runs.values() for col in (REWARD, VAL) for v in series(rows, col)[1]), default=1.0)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, rows) in enumerate(runs.items()):
         colour = colours[i % len(colours)]
@@ -41,8 +47,8 @@ def plot(runs: dict[str, list[dict[str, float]]], out: Path, title: str = "") ->
         ax.plot(*series(rows, REWARD), color=colour, alpha=0.55, label=f"{label}reward mean (train rollouts)")
         ax.plot(*series(rows, VAL), color=colour, marker="o", linewidth=2,
                 label=f"{label}validation accuracy (held-out)")
-    ax.set(xlabel="step (0 = before training)", ylabel="fraction correct (strict \\boxed{} reward)", ylim=(0, 1),
-           title=title or ", ".join(runs))
+    ax.set(xlabel="step (0 = before training)", ylabel="fraction correct (strict \\boxed{} reward)",
+           ylim=(0, ylim_top(peak)), title=title or ", ".join(runs))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
