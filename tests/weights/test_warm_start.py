@@ -153,8 +153,9 @@ def test_help_explains_every_setting(capsys):
         weights_main(["warm-start", "--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "--dry-run" in out and "(written to DST.partial, then renamed)" in out
-    for flag, words in (("--steps", "29% of held-out sums"), ("--batch-size", "drawn with replacement"),
-                        ("--lr", "peak AdamW"), ("--warmup-steps", "cosine decay"), ("--seed", "seed of the draws")):
+    for flag, words in (("--steps", "12-56% of held-out sums"), ("--batch-size", "drawn with replacement"),
+                        ("--lr", "peak AdamW"), ("--warmup-steps", "cosine decay"), ("--seed", "seed of the draws"),
+                        ("--label-smoothing", "spread over the whole vocabulary")):
         assert flag in out and words in out, flag
 
 
