@@ -17,11 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.recipes.smoke_run import run_smoke
+from tests.recipes.smoke_run import ROOT, run_smoke
 from tools.launch import cluster
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, PROMPTS, N = 2, 4, 4
 RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "runtime_env", "ray::")
 
