@@ -69,12 +69,22 @@ class RecipeRollout:
 
 
 @dataclass
+class RecipeCheckpoints:
+    # Where a run saves: <dir>/<run id>, a directory every node mounts (each rank writes its own shards there).
+    # null: <run dir>/checkpoints, for a one-node run. The cadence and how many to keep are verl's
+    # trainer.save_freq and trainer.max_actor_ckpt_to_keep.
+    dir: str | None = None
+    write_gb_per_s: float = 5.0  # the filesystem's write bandwidth for one checkpoint (preflight's time estimate)
+
+
+@dataclass
 class RecipeSettings:
     """`recipe:`, read only by the launcher: its keys, types and defaults (OmegaConf refuses any other)."""
 
     model_dims: str | None = None  # architecture yaml, relative to the config, when model.path has no config.json
     weights: RecipeWeights = field(default_factory=RecipeWeights)
     rollout: RecipeRollout = field(default_factory=RecipeRollout)
+    checkpoints: RecipeCheckpoints = field(default_factory=RecipeCheckpoints)
 
 
 def recipe_settings(cfg: DictConfig) -> DictConfig:
