@@ -76,6 +76,7 @@ class RecipeCheckpoints:
     # trainer.max_actor_ckpt_to_keep.
     dir: str | None = None
     write_gb_per_s: float = 5.0  # the filesystem's write bandwidth for one checkpoint (preflight's time estimate)
+    step_s: float | None = None  # the step time the save cadence was chosen for (preflight's overhead estimate)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tools.launch import cluster, config, curves, env, inputs, layout, plan, preflight, summary
+from tools.launch import checkpoint_cost, cluster, config, curves, env, inputs, layout, plan, preflight, summary
 from tools.launch.memory import Estimate
 from tools.model.dims import dims_from_config
 
@@ -31,6 +31,7 @@ class Prepared:
     estimate: Estimate
     dims_source: str
     inputs: list[preflight.Check]  # paths and required settings: a dry run reports them, a run needs them
+    checkpoint: checkpoint_cost.Cost | None = None  # a device profile's checkpoint size and write time
 
     @property
     def ok(self) -> bool:
@@ -64,6 +65,7 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
     dims = dims_from_config(raw, dims_source)
     gb = device_gb if device_gb is not None else device_memory_gb(lay.accelerator, lay.devices_per_node)
     checks, est = preflight.run(lay, dims, gb)
+    cost = checkpoint_cost.estimate(lay.checkpoints, dims) if lay.accelerator != "cpu" else None
     input_checks = inputs.input_checks(cfg, lay)
     profile = env.load_profile(recipe.path.parent.parent, str(config.value(cfg, "launch.env_profile")))
     node_env, notes = env.node_env(profile, facts)
@@ -72,7 +74,7 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
     node_env["TENSORBOARD_DIR"] = str(run_dir / TENSORBOARD)  # verl's tensorboard logger writes, the summary reads
     the_plan = plan.build(recipe.name, run_id, run_dir, lay, config.value(cfg, "launch.ray"), node_env, notes,
                           profile.left_out, python, preflight.derived(lay, dims), ray_bin)
-    return Prepared(recipe, the_plan, checks, est, dims_source, input_checks)
+    return Prepared(recipe, the_plan, checks, est, dims_source, input_checks, cost)
 
 
 def checkpoint_dir(p: Prepared) -> Path:
@@ -90,6 +92,8 @@ def report(p: Prepared, dry_run: bool = False) -> str:
     missing = [c for c in p.inputs if not c.ok]
     lines = [f"preflight ({p.recipe.path.name}; model dims from {p.dims_source}):", preflight.render(p.checks), "",
              preflight.render_memory(p.estimate), ""]
+    if p.checkpoint is not None:
+        lines += [checkpoint_cost.render(p.checkpoint, str(checkpoint_dir(p))), ""]
     lines += [f"error: {c.message()}" for c in failed]
     lines.append(f"preflight: {len(p.checks) - len(failed)} of {len(p.checks)} checks ok")
     if p.inputs:
