@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from tests.launch.conftest import CONFIGS, ROOT
@@ -62,3 +63,23 @@ def test_run_files_are_saved_with_the_run(tmp_path):
     assert "launch" not in verl_cfg and verl_cfg.trainer.nnodes == 16
     assert verl_cfg.critic.rollout_n == 16, "verl's own defaults are merged in and resolved"
     assert verl_cfg.actor_rollout_ref.ref.megatron.num_layer_list == [7, 7, 8, 8, 8, 8, 8, 7]
+
+
+def test_verl_saves_under_the_checkpoint_dir_and_run_id(tmp_path):
+    """verl.yaml's trainer.default_local_dir: <recipe.checkpoints.dir>/<run id> (every rank writes its shards there,
+    so every node mounts it), else <run dir>/checkpoints."""
+    shared = tmp_path / "shared"
+    p = run.prepare(config.load(CONFIGS / "a3-128-true-weight.yaml", [*PATHS, f"recipe.checkpoints.dir={shared}"]),
+                    FACTS, "saved", tmp_path / "logs", device_gb=64.0)
+    run.save_run_files(p, tmp_path)
+    saved = OmegaConf.load(tmp_path / "logs" / "saved" / "verl.yaml").trainer
+    assert saved.default_local_dir == str(shared / "saved") == str(run.checkpoint_dir(p))
+    own = run.prepare(config.load(CONFIGS / "cpu-tiny.yaml", PATHS), FACTS, "tiny", tmp_path / "logs")
+    assert run.checkpoint_dir(own) == tmp_path / "logs" / "tiny" / "checkpoints"
+
+
+def test_default_local_dir_has_one_home():
+    with pytest.raises(config.ConfigError, match="trainer.default_local_dir is set by the launcher.*"
+                                                 "set recipe.checkpoints.dir instead"):
+        run.prepare(config.load(CONFIGS / "a3-128-true-weight.yaml", ["trainer.default_local_dir=/elsewhere"]),
+                    FACTS, "r", Path("/runs"), device_gb=64.0)

@@ -69,6 +69,8 @@ BROKEN = [
     ([AM + "swap_optimizer=false"], R + "gpu_memory_utilization", "GB resident"),
     ([R + "gpu_memory_utilization=0.99"], R + "gpu_memory_utilization", "GB resident"),
     ([R + "gpu_memory_utilization=0.5"], R + "gpu_memory_utilization", "needs 18.4 GB"),
+    (["recipe.checkpoints.dir=null"], "recipe.checkpoints.dir", "save_freq=15, dir=null"),
+    (["trainer.max_actor_ckpt_to_keep=null"], "trainer.max_actor_ckpt_to_keep", "keep=null"),
 ]
 
 
@@ -173,7 +175,7 @@ def test_required_paths_are_named_with_how_to_set_them(tmp_path):
     recipe = config.load(CONFIGS / "a3-128-true-weight.yaml")
     failed = [c for c in inputs.input_checks(recipe.cfg, layout.from_config(recipe.cfg)) if not c.ok]
     assert {c.field for c in failed} == {"actor_rollout_ref.model.path", "data.train_files", "data.val_files",
-                                         "recipe.weights.mcore_checkpoint"}
+                                         "recipe.weights.mcore_checkpoint", "recipe.checkpoints.dir"}
     assert any("tools.weights hf-to-mcore" in c.fix for c in failed)
 
 

@@ -24,12 +24,14 @@ def paths(tmp_path):
     for name in ("train.parquet", "val.parquet"):
         (tmp_path / name).write_bytes(b"")
     legacy, dist = write_manifest(tmp_path / "ckpt", LEGACY_LAYOUT), write_dist_manifest(tmp_path / "dist_ckpt")
+    (tmp_path / "shared").mkdir()  # stands for the A3 profiles' shared checkpoint dir
 
     def for_config(path: Path) -> list[str]:
         uses_dist = config.value(config.load(path).cfg, "actor_rollout_ref.actor.megatron.use_dist_checkpointing")
         return [f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"data.train_files={tmp_path / 'train.parquet'}",
                 f"data.val_files={tmp_path / 'val.parquet'}",
-                f"recipe.weights.mcore_checkpoint={dist if uses_dist else legacy}"]
+                f"recipe.weights.mcore_checkpoint={dist if uses_dist else legacy}",
+                f"recipe.checkpoints.dir={tmp_path / 'shared'}"]
     return for_config
 
 
@@ -91,13 +93,16 @@ def test_a3_profiles_carry_the_reference_values():
         assert v(r + "log_prob_micro_batch_size_per_gpu") == 4
         assert (v("recipe.rollout.data_parallel_size"), v("recipe.rollout.instances")) == (rollout_dp, instances)
         assert v("trainer.logger") == ["console", "tensorboard"] and v("trainer.balance_batch") is False
-        assert (v("trainer.save_freq"), v("trainer.test_freq"), v("trainer.total_epochs")) == (-1, -1, 1)
+        assert (v("trainer.test_freq"), v("trainer.total_epochs")) == (-1, 1)
+        assert v("recipe.checkpoints.dir") and v("trainer.max_actor_ckpt_to_keep") == 2
     true_cfg = config.load(ROOT / "recipes/deepseek_r1/configs/a3-128-true-weight.yaml").cfg
     random_cfg = config.load(ROOT / "recipes/deepseek_r1/configs/a3-128-random-init.yaml").cfg
     assert config.value(true_cfg, "actor_rollout_ref.actor.megatron.override_transformer_config") == {
         "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 8}
     assert config.value(random_cfg, "actor_rollout_ref.rollout.ignore_eos") is True
     assert config.value(random_cfg, "recipe.weights.load") is False
+    # the true-weight run saves (every 15 steps: the yaml says why); the random-init measurement run does not
+    assert (config.value(true_cfg, "trainer.save_freq"), config.value(random_cfg, "trainer.save_freq")) == (15, -1)
 
 
 def test_a3_env_profile_has_a_reason_for_every_variable():

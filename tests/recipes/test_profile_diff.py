@@ -20,6 +20,8 @@ LEARN = "validation: held-out accuracy before the first step and every 5 steps, 
 ENGINE = "rollout engine: vLLM 0.9.1's CPU engine (our fork's build) instead of vLLM-Ascend"
 ASCEND_ONLY = ENGINE + "; a vLLM-Ascend setting (additional_config) the CPU engine does not read"
 LAYOUT = "layout: TP2 x PP2 x EP1 on 4 ranks (A3: TP4 x PP8 x EP8 on 256), uneven stages as A3's"
+SAVES = ("checkpoints: the A3 run saves 9.39 TB every 15 steps to a directory all 16 nodes mount (the yaml says why);"
+         " cpu-tiny saves nothing by default (trainer.save_freq -1) and, told to, saves under its run dir")
 WEIGHTS = ("weights: verl loads the torch_dist conversion (Megatron reshards it at load); the A3 profiles check a"
            " legacy conversion and keep verl's default here (not wired: verl 0.4.0 cannot load legacy rank files)")
 
@@ -35,6 +37,11 @@ ALLOWED = {
     "recipe.rollout.data_parallel_size": LAYOUT + ": 2 instances of DP2 x TP1 (A3: 2 of DP64 x TP2)",
     "recipe.rollout.expert_parallel_size": LAYOUT + ": EP over an instance's DP2 x TP1 (A3: DP64 x TP2)",
     "recipe.rollout.torchair_graph": DEVICE + ": TorchAir graphs are NPU only (refused on cpu)",
+    "recipe.checkpoints.dir": SAVES + " (null: <run dir>/checkpoints, one node)",
+    "recipe.checkpoints.write_gb_per_s": SAVES + ": the shared filesystem's assumed bandwidth, for the A3 estimate",
+    "recipe.checkpoints.step_s": SAVES + ": the A3 reference step, for the estimate of the time spent saving",
+    "trainer.save_freq": SAVES,
+    "trainer.max_actor_ckpt_to_keep": SAVES + " (A3: the newest two; cpu-tiny: verl's default, every one)",
     # data and batch
     "data.max_prompt_length": SIZE,
     "data.max_response_length": SIZE,

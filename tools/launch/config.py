@@ -71,10 +71,12 @@ class RecipeRollout:
 @dataclass
 class RecipeCheckpoints:
     # Where a run saves: <dir>/<run id>, a directory every node mounts (each rank writes its own shards there).
-    # null: <run dir>/checkpoints, for a one-node run. The cadence and how many to keep are verl's
-    # trainer.save_freq and trainer.max_actor_ckpt_to_keep.
+    # null: <run dir>/checkpoints, for a one-node run. The launcher sets verl's trainer.default_local_dir to it
+    # (run.checkpoint_dir). The cadence and how many to keep are verl's trainer.save_freq and
+    # trainer.max_actor_ckpt_to_keep.
     dir: str | None = None
     write_gb_per_s: float = 5.0  # the filesystem's write bandwidth for one checkpoint (preflight's time estimate)
+    step_s: float | None = None  # the step time the save cadence was chosen for (preflight's overhead estimate)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Checks of what a run reads from disk: the HF model directory, the data files, the converted checkpoint.
+"""Checks of what a run reads from disk (the HF model directory, the data files, the converted checkpoint) and of
+where it writes its checkpoints.
 
 `checkpoint_problems` is pure (a manifest dict against the layout, or against the torch_dist format when verl
 loads with use_dist_checkpointing); `input_checks` looks at the filesystem.
@@ -7,6 +8,8 @@ loads with use_dist_checkpointing); `input_checks` looks at the filesystem.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -89,7 +92,30 @@ def input_checks(cfg: DictConfig, lay: Layout) -> list[Check]:
                                     str(value(cfg, DIST_PATH.format(role))),
                                     "dist_checkpointing_path == recipe.weights.mcore_checkpoint", False,
                                     "leave it as ${recipe.weights.mcore_checkpoint}"))
+    if lay.checkpoints.saves and lay.checkpoints.dir:
+        checks.append(checkpoint_dir_check(lay.checkpoints.dir))
     return checks
+
+
+def checkpoint_dir_check(path: str) -> Check:
+    """recipe.checkpoints.dir exists on this (the head) node and takes a new file: a temp file is created there and
+    removed. Every other node must mount the same directory; this node cannot see theirs."""
+    key, rule = "recipe.checkpoints.dir", "a writable directory on this node (and mounted on every node)"
+    where = Path(str(path)).expanduser()
+    mount = "mount the shared filesystem at that path on every node"
+    if not where.is_dir():
+        what = "not a directory" if where.exists() else "not found"
+        return Check("checkpoint dir", key, str(path), rule, False,
+                     f"{what} here: {mount}, or create it there (mkdir -p {where})")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".write-check-", dir=where)
+    except OSError as exc:
+        return Check("checkpoint dir", key, str(path), rule, False,
+                     f"cannot create a file there ({exc.strerror}): give the run's user write access, or {mount}"
+                     " read-write")
+    os.close(fd)
+    os.unlink(tmp)
+    return Check("checkpoint dir", key, str(path), rule, True)
 
 
 def weights_check(path, lay: Layout, dist: bool = False) -> Check:

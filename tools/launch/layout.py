@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from tools.launch.config import value
+from tools.launch.checkpoint_cost import Checkpoints
+from tools.launch.config import recipe_settings, value
 from tools.launch.keys import AM, RM, RR, A, R
 from tools.model.parallel import ParallelLayout
 
@@ -66,6 +67,7 @@ class Layout:
     use_kl_in_reward: bool
     trainer_nnodes: int
     trainer_devices: int
+    checkpoints: Checkpoints
     rollout_name: str = "vllm"  # verl's rollout.name: vllm (engines with EP) or hf (each rank holds the whole model)
 
     @property
@@ -135,5 +137,16 @@ def from_config(cfg: DictConfig) -> Layout:
         adv_estimator=str(v("algorithm.adv_estimator", "gae")), use_kl_loss=bool(v(A + "use_kl_loss", False)),
         use_kl_in_reward=bool(v("algorithm.use_kl_in_reward", False)),
         trainer_nnodes=int(v("trainer.nnodes", 1)), trainer_devices=int(v("trainer.n_gpus_per_node", 1)),
+        checkpoints=checkpoints(cfg),
         rollout_name=str(v(R + "name", "vllm")),
     )
+
+
+def checkpoints(cfg: DictConfig) -> Checkpoints:
+    """recipe.checkpoints (its declared defaults) and the trainer keys verl saves by (verl 0.4.0's defaults)."""
+    ck = recipe_settings(cfg).checkpoints
+    keep = value(cfg, "trainer.max_actor_ckpt_to_keep")
+    return Checkpoints(save_freq=int(value(cfg, "trainer.save_freq", -1)), keep=None if keep is None else int(keep),
+                       dir=ck.dir, write_gb_per_s=float(ck.write_gb_per_s),
+                       step_s=None if ck.step_s is None else float(ck.step_s),
+                       contents=tuple(value(cfg, A + "checkpoint.contents", ["model", "optimizer", "extra"])))

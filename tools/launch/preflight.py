@@ -174,11 +174,29 @@ def memory_checks(est: Estimate) -> list[Check]:
     ]
 
 
+def checkpoint_checks(lay: Layout) -> list[Check]:
+    """Where a multi-node device run saves, and that its checkpoints do not fill the disk: a rank writes its shards
+    under trainer.default_local_dir, so 16 nodes need one directory they all mount, and each A3 checkpoint is
+    terabytes (checkpoint_cost). A CPU run is one node saving under its run dir."""
+    ck = lay.checkpoints
+    if lay.accelerator == "cpu":
+        return []
+    keep = "null" if ck.keep is None else ck.keep
+    return [
+        _c("checkpoints on a shared dir", "recipe.checkpoints.dir", f"save_freq={ck.save_freq}, dir={ck.dir or 'null'}",
+           "saving (save_freq > 0) on a device profile => recipe.checkpoints.dir set", not ck.saves or ck.dir,
+           "set recipe.checkpoints.dir=<a directory every node mounts> (or trainer.save_freq=-1)"),
+        _c("checkpoints kept are bounded", "trainer.max_actor_ckpt_to_keep", f"save_freq={ck.save_freq}, keep={keep}",
+           "saving on a device profile => max_actor_ckpt_to_keep >= 1", not ck.saves or ck.bounded,
+           "set trainer.max_actor_ckpt_to_keep=2 (the newest and the one before)"),
+    ]
+
+
 def run(lay: Layout, dims: Dims, device_gb: float) -> tuple[list[Check], Estimate]:
     """Every arithmetic check of a run, in table order, and the memory estimate they used."""
     est = estimate(lay, dims, device_gb)
     checks = world_checks(lay) + megatron_checks(lay, dims) + rollout_checks(lay, dims) + batch_checks(lay)
-    return checks + memory_checks(est), est
+    return checks + memory_checks(est) + checkpoint_checks(lay), est
 
 
 def derived(lay: Layout, dims: Dims) -> list[tuple[str, str]]:

@@ -14,12 +14,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tools.launch import cluster, config, curves, env, inputs, layout, plan, preflight, summary
+from tools.launch import checkpoint_cost, cluster, config, curves, env, inputs, layout, plan, preflight, summary
 from tools.launch.memory import Estimate
 from tools.model.dims import dims_from_config
 
 EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
 TENSORBOARD = "tensorboard"  # <run dir>/tensorboard
+CHECKPOINTS = "checkpoints"  # <run dir>/checkpoints, where a run saves without recipe.checkpoints.dir
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Prepared:
     estimate: Estimate
     dims_source: str
     inputs: list[preflight.Check]  # paths and required settings: a dry run reports them, a run needs them
+    checkpoint: checkpoint_cost.Cost | None = None  # a device profile's checkpoint size and write time
 
     @property
     def ok(self) -> bool:
@@ -55,11 +57,15 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
     base = config.verl_base_for(cfg)
     config.refuse_unknown_keys(cfg, base)
     config.check_series(cfg, base)  # verl's settings, by our verl series' own validators
+    if config.value(cfg, "trainer.default_local_dir") is not None:
+        raise config.ConfigError("trainer.default_local_dir is set by the launcher (<recipe.checkpoints.dir>/<run id>,"
+                                 " or <run dir>/checkpoints): set recipe.checkpoints.dir instead")
     lay = layout.from_config(cfg)
     raw, dims_source = config.model_dims(recipe)
     dims = dims_from_config(raw, dims_source)
     gb = device_gb if device_gb is not None else device_memory_gb(lay.accelerator, lay.devices_per_node)
     checks, est = preflight.run(lay, dims, gb)
+    cost = checkpoint_cost.estimate(lay.checkpoints, dims) if lay.accelerator != "cpu" else None
     input_checks = inputs.input_checks(cfg, lay)
     profile = env.load_profile(recipe.path.parent.parent, str(config.value(cfg, "launch.env_profile")))
     node_env, notes = env.node_env(profile, facts)
@@ -68,7 +74,17 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
     node_env["TENSORBOARD_DIR"] = str(run_dir / TENSORBOARD)  # verl's tensorboard logger writes, the summary reads
     the_plan = plan.build(recipe.name, run_id, run_dir, lay, config.value(cfg, "launch.ray"), node_env, notes,
                           profile.left_out, python, preflight.derived(lay, dims), ray_bin)
-    return Prepared(recipe, the_plan, checks, est, dims_source, input_checks)
+    return Prepared(recipe, the_plan, checks, est, dims_source, input_checks, cost)
+
+
+def checkpoint_dir(p: Prepared) -> Path:
+    """Where verl saves (trainer.default_local_dir): <recipe.checkpoints.dir>/<run id>, a directory every node
+    mounts (each rank writes its own shards), else <run dir>/checkpoints. A rerun with the same run id resumes
+    from the newest complete checkpoint there (verl's trainer.resume_mode auto)."""
+    root = config.recipe_settings(p.recipe.cfg).checkpoints.dir
+    if root:
+        return Path(str(root)).expanduser().absolute() / p.plan.run_id
+    return p.plan.run_dir / CHECKPOINTS
 
 
 def report(p: Prepared, dry_run: bool = False) -> str:
@@ -76,6 +92,8 @@ def report(p: Prepared, dry_run: bool = False) -> str:
     missing = [c for c in p.inputs if not c.ok]
     lines = [f"preflight ({p.recipe.path.name}; model dims from {p.dims_source}):", preflight.render(p.checks), "",
              preflight.render_memory(p.estimate), ""]
+    if p.checkpoint is not None:
+        lines += [checkpoint_cost.render(p.checkpoint, str(checkpoint_dir(p))), ""]
     lines += [f"error: {c.message()}" for c in failed]
     lines.append(f"preflight: {len(p.checks) - len(failed)} of {len(p.checks)} checks ok")
     if p.inputs:
@@ -91,6 +109,7 @@ def save_run_files(p: Prepared, venv: Path | None) -> list[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     _write(run_dir / "config.yaml", OmegaConf.to_yaml(p.recipe.cfg))
     verl_cfg = config.verl_config(p.recipe.cfg, config.verl_base_for(p.recipe.cfg))
+    verl_cfg.trainer.default_local_dir = str(checkpoint_dir(p))
     _write(run_dir / "verl.yaml", OmegaConf.to_yaml(verl_cfg))
     _write(run_dir / "env.json", json.dumps(p.plan.env, indent=2, sort_keys=True) + "\n")
     stack = (venv or Path(sys.prefix)) / "stack.json"
