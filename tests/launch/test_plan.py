@@ -78,8 +78,21 @@ def test_verl_saves_under_the_checkpoint_dir_and_run_id(tmp_path):
     assert run.checkpoint_dir(own) == tmp_path / "logs" / "tiny" / "checkpoints"
 
 
-def test_default_local_dir_has_one_home():
-    with pytest.raises(config.ConfigError, match="trainer.default_local_dir is set by the launcher.*"
-                                                 "set recipe.checkpoints.dir instead"):
-        run.prepare(config.load(CONFIGS / "a3-128-true-weight.yaml", ["trainer.default_local_dir=/elsewhere"]),
+@pytest.mark.parametrize(("key", "instead"), [("trainer.default_local_dir", "set recipe.checkpoints.dir"),
+                                              ("trainer.resume_mode", "--resume RUN_DIR"),
+                                              ("trainer.resume_from_path", "--resume RUN_DIR")])
+def test_where_and_whether_verl_resumes_has_one_home(key, instead):
+    with pytest.raises(config.ConfigError, match=f"{key} is set by the launcher: .*{instead}"):
+        run.prepare(config.load(CONFIGS / "a3-128-true-weight.yaml", [f"{key}=/elsewhere"]),
                     FACTS, "r", Path("/runs"), device_gb=64.0)
+
+
+def test_a_new_run_never_resumes_and_a_resumed_one_does_without_validating_first(tmp_path):
+    p = run.prepare(config.load(CONFIGS / "cpu-tiny.yaml", PATHS), FACTS, "tiny", tmp_path)
+    run.save_run_files(p, tmp_path)
+    fresh = OmegaConf.load(tmp_path / "tiny" / "verl.yaml").trainer
+    assert fresh.resume_mode == "disable" and fresh.val_before_train is True
+    p.resume = object()  # what find_resume sets
+    run.save_run_files(p, tmp_path)
+    resumed = OmegaConf.load(tmp_path / "tiny" / "verl.yaml").trainer
+    assert resumed.resume_mode == "auto" and resumed.val_before_train is False

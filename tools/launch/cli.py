@@ -8,13 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-from tools.launch import cluster, config, env, run
+from tools.launch import cluster, config, env, resume, run
 
 DESCRIPTION = """\
 Launch a recipe config on a Ray cluster: the same command on every node.
 
   python -m tools.launch CONFIG [key=value ...] --dry-run    # resolve, preflight, print the plan
   python -m tools.launch CONFIG [key=value ...]              # run this node's part
+  python -m tools.launch CONFIG [key=value ...] --resume logs/<run id>   # continue a run that stopped
 
 CONFIG is a verl config with a `launch:` block (nodes, devices, env profile, Ray ports), e.g.
 recipes/deepseek_r1/configs/a3-128-true-weight.yaml. Overrides use OmegaConf's dotted keys:
@@ -30,7 +31,18 @@ What a run does:
   - every other node joins with retry and backoff and leaves when the head's Ray stops.
   - logs/<run-id>/ holds each node's log, trainer.log, config.yaml, verl.yaml, env.json, stack.json.
 
-Exit codes: 0 ok, 1 a preflight check failed, 2 bad config or the run failed.
+Checkpoints, faults and resume:
+  - verl saves every trainer.save_freq steps to <recipe.checkpoints.dir>/<run id> (a directory every node
+    mounts; without it <run dir>/checkpoints) and keeps the newest trainer.max_actor_ckpt_to_keep. A checkpoint
+    counts once latest_checkpointed_iteration.txt names it, written after every rank finished its save.
+  - while the trainer runs, the head asks Ray every few seconds for a dead rank or node; on one it stops the
+    job, names the rank(s), node and phase, stops every process of the run and prints the --resume command.
+  - --resume RUN_DIR continues that run (same run dir, TensorBoard appended) from its last complete checkpoint:
+    step counter, weights, optimizer, RNG and data order. Saves a fault cut off are renamed global_step_N.partial
+    and kept. Refused, naming the field: no complete checkpoint, a changed layout, a changed model.
+    With --dry-run it names the checkpoint it would continue from (step, time, size).
+
+Exit codes: 0 ok, 1 a preflight check failed, 2 bad config, the run failed or a rank or node died.
 """
 
 
@@ -48,7 +60,23 @@ def parser() -> argparse.ArgumentParser:
                    help="name of the run and its log folder (default $RUN_ID, else <config>-<UTC time>)")
     p.add_argument("--logs", type=Path, default=Path("logs"), help="where run folders go (default logs/)")
     p.add_argument("--venv", type=Path, default=None, help="environment whose stack.json is saved (default: this one)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR (logs/<run id>) from its last complete checkpoint")
     return p
+
+
+def run_location(args, recipe: config.Recipe) -> tuple[str, Path]:
+    """The run id and the folder of run dirs: --resume's run dir, else --run-id (or the config and the time)
+    under --logs."""
+    if args.resume is None:
+        return args.run_id or f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}", args.logs.resolve()
+    run_dir = args.resume.resolve()
+    if args.run_id and args.run_id != run_dir.name:
+        raise config.ConfigError(f"--run-id {args.run_id} and --resume {args.resume} name two runs: drop --run-id")
+    if not run_dir.is_dir():
+        raise config.ConfigError(f"--resume {args.resume}: no such run directory (runs are under --logs, e.g."
+                                 " logs/<run id>)")
+    return run_dir.name, run_dir.parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         facts = env.gather_facts(master)
         if args.ifname:
             facts = env.NodeFacts(master, args.ifname, facts.node_ip, facts.master_is_local, facts.jemalloc)
-        run_id = args.run_id or f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        run_id, logs = run_location(args, recipe)
         ray_bin = Path(sys.executable).with_name("ray")
-        prepared = run.prepare(recipe, facts, run_id, args.logs.resolve(),
-                               ray_bin=str(ray_bin) if ray_bin.exists() else "ray")
+        prepared = run.prepare(recipe, facts, run_id, logs, ray_bin=str(ray_bin) if ray_bin.exists() else "ray")
+        cut = run.find_resume(prepared) if args.resume else []
+        if not args.resume:
+            run.refuse_saved_run(prepared)
     except config.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return run.EXIT_ERROR
@@ -85,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return run.EXIT_OK
     if not prepared.ready:
         return run.EXIT_CHECK
+    for moved in resume.set_aside(cut):
+        print(f"note: {moved.name}: a save that did not complete, set aside for inspection ({moved})")
     for note in run.save_run_files(prepared, args.venv):
         print(f"note: {note}")
     is_head = args.head or facts.master_is_local

@@ -7,6 +7,7 @@ SIGTERM makes it shut down the daemons it spawned, and a SIGKILL to its own proc
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import socket
@@ -15,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class ClusterError(Exception):
@@ -35,7 +38,7 @@ class RayProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         env = {**os.environ, **(self.env or {})}
         self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_stop_with_parent)
         log.close()
         return self
 
@@ -54,6 +57,14 @@ class RayProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies (even by SIGKILL), so its `ray start --block`
+    shuts its daemons down instead of running on without an owner (Linux's PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 @dataclass(frozen=True)
@@ -177,8 +188,11 @@ def _submit(client, entrypoint: str, submission_id: str, env: dict[str, str], wa
 
 
 def run_job(dashboard_url: str, entrypoint: str, submission_id: str, env: dict[str, str], log_path: Path,
-            echo: Callable[[str], None] | None = print, timeout_s: float | None = None) -> str:
-    """Submit `entrypoint` as a Ray job, stream its log to `log_path` (and echo), return its final status."""
+            echo: Callable[[str], None] | None = print, timeout_s: float | None = None,
+            watch: Callable[[], object | None] | None = None, watch_every_s: float = 5.0) -> str:
+    """Submit `entrypoint` as a Ray job, stream its log to `log_path` (and echo), return its final status.
+    `watch`, called every `watch_every_s` while the job runs, returns a fault or None: on a fault the job is stopped
+    (its other ranks may otherwise wait in a collective until its timeout)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     client = JobSubmissionClient(dashboard_url)
@@ -193,8 +207,23 @@ def run_job(dashboard_url: str, entrypoint: str, submission_id: str, env: dict[s
                 if echo:
                     echo(chunk.rstrip("\n"))
 
+    async def watchdog() -> None:
+        while watch is not None:
+            await asyncio.sleep(watch_every_s)
+            if await asyncio.to_thread(watch) is not None:
+                if client.get_job_status(submission_id) not in (JobStatus.SUCCEEDED, JobStatus.FAILED):
+                    client.stop_job(submission_id)
+                return
+
+    async def both() -> None:
+        guard = asyncio.create_task(watchdog())
+        try:
+            await stream()
+        finally:
+            guard.cancel()
+
     try:
-        asyncio.run(asyncio.wait_for(stream(), timeout_s))
+        asyncio.run(asyncio.wait_for(both(), timeout_s))
     except TimeoutError:
         client.stop_job(submission_id)
         raise ClusterError(f"job {submission_id} ran past {timeout_s:g} s; stopped it") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -14,13 +15,32 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tools.launch import checkpoint_cost, cluster, config, curves, env, inputs, layout, plan, preflight, summary
+from tools.launch import (
+    checkpoint_cost,
+    cluster,
+    config,
+    curves,
+    env,
+    faults,
+    inputs,
+    layout,
+    plan,
+    preflight,
+    resume,
+    summary,
+)
 from tools.launch.memory import Estimate
 from tools.model.dims import dims_from_config
 
 EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
 TENSORBOARD = "tensorboard"  # <run dir>/tensorboard
 CHECKPOINTS = "checkpoints"  # <run dir>/checkpoints, where a run saves without recipe.checkpoints.dir
+# verl's trainer keys that the launcher writes into verl.yaml (save_run_files), and what to use instead
+LAUNCHER_KEYS = {
+    "trainer.default_local_dir": "set recipe.checkpoints.dir (runs save to <it>/<run id>, or <run dir>/checkpoints)",
+    "trainer.resume_mode": "continue a run with --resume RUN_DIR (a new run never loads a checkpoint)",
+    "trainer.resume_from_path": "continue a run with --resume RUN_DIR (from its last complete checkpoint)",
+}
 
 
 @dataclass
@@ -32,6 +52,8 @@ class Prepared:
     dims_source: str
     inputs: list[preflight.Check]  # paths and required settings: a dry run reports them, a run needs them
     checkpoint: checkpoint_cost.Cost | None = None  # a device profile's checkpoint size and write time
+
+    resume: resume.Checkpoint | None = None  # --resume: the checkpoint the run continues from
 
     @property
     def ok(self) -> bool:
@@ -57,9 +79,9 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
     base = config.verl_base_for(cfg)
     config.refuse_unknown_keys(cfg, base)
     config.check_series(cfg, base)  # verl's settings, by our verl series' own validators
-    if config.value(cfg, "trainer.default_local_dir") is not None:
-        raise config.ConfigError("trainer.default_local_dir is set by the launcher (<recipe.checkpoints.dir>/<run id>,"
-                                 " or <run dir>/checkpoints): set recipe.checkpoints.dir instead")
+    for key, instead in LAUNCHER_KEYS.items():
+        if config.value(cfg, key) is not None:
+            raise config.ConfigError(f"{key} is set by the launcher: {instead}")
     lay = layout.from_config(cfg)
     raw, dims_source = config.model_dims(recipe)
     dims = dims_from_config(raw, dims_source)
@@ -79,12 +101,37 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
 
 def checkpoint_dir(p: Prepared) -> Path:
     """Where verl saves (trainer.default_local_dir): <recipe.checkpoints.dir>/<run id>, a directory every node
-    mounts (each rank writes its own shards), else <run dir>/checkpoints. A rerun with the same run id resumes
-    from the newest complete checkpoint there (verl's trainer.resume_mode auto)."""
+    mounts (each rank writes its own shards), else <run dir>/checkpoints. Only --resume continues from it."""
     root = config.recipe_settings(p.recipe.cfg).checkpoints.dir
     if root:
         return Path(str(root)).expanduser().absolute() / p.plan.run_id
     return p.plan.run_dir / CHECKPOINTS
+
+
+def find_resume(p: Prepared) -> list[Path]:
+    """--resume: set p.resume to the last complete checkpoint of the run in p's run dir and return the cut-off
+    saves beside it; ConfigError (naming the field and the fix) when it cannot continue."""
+    saved_to, now = resume.checkpoint_dir(p.plan.run_dir), checkpoint_dir(p)
+    if saved_to != now:
+        raise config.ConfigError(f"recipe.checkpoints.dir: the run saved to {saved_to}, this config would save to"
+                                 f" {now}: set recipe.checkpoints.dir={saved_to.parent}")
+    p.resume, cut = resume.find(p.plan.run_dir, p.recipe.cfg, config.model_dims(p.recipe)[0])
+    return cut
+
+
+def refuse_saved_run(p: Prepared) -> None:
+    """A new run must not start over a run dir or checkpoint dir that holds checkpoints: it would mix two runs."""
+    where = checkpoint_dir(p)
+    found = resume.latest(where)
+    if found is not None:
+        raise config.ConfigError(f"{p.plan.run_dir} is a run with checkpoints ({found.describe()}): continue it with"
+                                 f" --resume {p.plan.run_dir}, or choose another --run-id")
+
+
+def resume_command(p: Prepared) -> str:
+    """The command that continues this run from its last complete checkpoint (the launcher's own arguments)."""
+    return shlex.join([sys.executable, "-m", "tools.launch", str(p.recipe.path), *p.recipe.overrides,
+                       "--resume", str(p.plan.run_dir)])
 
 
 def report(p: Prepared, dry_run: bool = False) -> str:
@@ -94,6 +141,8 @@ def report(p: Prepared, dry_run: bool = False) -> str:
              preflight.render_memory(p.estimate), ""]
     if p.checkpoint is not None:
         lines += [checkpoint_cost.render(p.checkpoint, str(checkpoint_dir(p))), ""]
+    if p.resume is not None:
+        lines += [f"resume: continues {p.plan.run_id} from {p.resume.describe()}", ""]
     lines += [f"error: {c.message()}" for c in failed]
     lines.append(f"preflight: {len(p.checks) - len(failed)} of {len(p.checks)} checks ok")
     if p.inputs:
@@ -110,6 +159,9 @@ def save_run_files(p: Prepared, venv: Path | None) -> list[str]:
     _write(run_dir / "config.yaml", OmegaConf.to_yaml(p.recipe.cfg))
     verl_cfg = config.verl_config(p.recipe.cfg, config.verl_base_for(p.recipe.cfg))
     verl_cfg.trainer.default_local_dir = str(checkpoint_dir(p))
+    verl_cfg.trainer.resume_mode = "auto" if p.resume else "disable"
+    if p.resume:  # its validation, if any, ran before the checkpoint; again, it would draw from the restored RNG
+        verl_cfg.trainer.val_before_train = False
     _write(run_dir / "verl.yaml", OmegaConf.to_yaml(verl_cfg))
     _write(run_dir / "env.json", json.dumps(p.plan.env, indent=2, sort_keys=True) + "\n")
     stack = (venv or Path(sys.prefix)) / "stack.json"
@@ -155,13 +207,63 @@ def _run_head(p: Prepared, say=print) -> int:
         cluster.wait_for_nodes(pl.ray_address, lay.nodes, pl.resource, lay.devices_per_node, pl.join_timeout_s,
                                say=say)
         _wait_for_dashboard(pl.dashboard_url)
+        seen: list[faults.Fault] = []
         status = cluster.run_job(pl.dashboard_url, shlex.join(pl.trainer_command), pl.run_id, pl.env,
-                                 pl.run_dir / "trainer.log", echo=say)
+                                 pl.run_dir / "trainer.log", echo=say, watch=lambda: _watch(pl, seen, say))
         say(f"job {pl.run_id}: {status}")
+        if status != "SUCCEEDED":
+            _watch(pl, seen, say)  # the trainer may have failed on the dead rank before the watch saw it
+            say(failure(p, seen[0] if seen else None))
         return EXIT_OK if status == "SUCCEEDED" else EXIT_ERROR
     finally:
         head.stop()
+        stop_leftovers(pl, say)
         summarize(p, say)
+
+
+def _watch(pl: plan.Plan, seen: list, say) -> faults.Fault | None:
+    if not seen:
+        try:
+            fault = faults.scan(pl.dashboard_url)
+        except Exception as exc:  # noqa: BLE001 - a state-API hiccup must not end the run; the next poll retries
+            say(f"watch: Ray's state API did not answer ({type(exc).__name__}: {exc})")
+            return None
+        if fault is not None:
+            seen.append(fault)
+            say(f"fault: {fault.message()}: stopping the job")
+    return seen[0] if seen else None
+
+
+def failure(p: Prepared, fault: faults.Fault | None) -> str:
+    """What failed, the checkpoint a resume would continue from, and the command."""
+    log = p.plan.run_dir / "trainer.log"
+    what = fault.message() if fault else f"the trainer failed: {last_error(log) or 'no error line'} (see {log})"
+    found = resume.latest(checkpoint_dir(p))
+    if found is None:
+        return (f"error: {what}. No complete checkpoint was saved (trainer.save_freq"
+                f" {config.value(p.recipe.cfg, 'trainer.save_freq')}): rerun from the start")
+    return (f"error: {what}. Last complete checkpoint: {found.describe()}. Continue the run with:\n"
+            f"  {resume_command(p)}")
+
+
+ERROR_LINE = re.compile(r"(?:^|\) )((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)(?:\([^)]*\))?: .+)$")
+
+
+def last_error(log: Path) -> str | None:
+    """The last exception line of a trainer log ("OSError: [Errno 28] No space left on device"), Ray's prefixes
+    dropped."""
+    if not log.is_file():
+        return None
+    found = [m.group(1) for line in log.read_text(errors="replace").splitlines() if (m := ERROR_LINE.search(line))]
+    return found[-1].strip() if found else None
+
+
+def stop_leftovers(pl: plan.Plan, say) -> None:
+    """Processes of this run that outlived its Ray (found by the run's environment) are stopped and reported."""
+    left = faults.run_processes(f"TENSORBOARD_DIR={pl.env['TENSORBOARD_DIR']}")
+    killed = faults.stop_processes(left) if left else []
+    say(f"processes of the run left after Ray stopped: {len(left)}"
+        + (f" (stopped: {', '.join(map(str, left))}; killed after the grace: {len(killed)})" if left else ""))
 
 
 def summarize(p: Prepared, say=print) -> None:
@@ -195,6 +297,7 @@ def _run_worker(p: Prepared, say=print) -> int:
         return EXIT_OK
     finally:
         me.stop()
+        stop_leftovers(pl, say)
 
 
 def _wait_for_dashboard(url: str, timeout_s: float = 120) -> None:
