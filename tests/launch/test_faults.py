@@ -79,7 +79,11 @@ def test_a_killed_rank_is_named_with_its_node_and_phase(two_nodes):
     assert (fault.ranks, fault.pids, fault.node, fault.node_died) == ((1,), (pids[1],), "127.0.0.1", False)
     assert fault.phase == "update_actor"
     assert fault.message() == f"rank 1 (pid {pids[1]} on 127.0.0.1) died during update_actor"
-    ray.kill(ranks[0])
+    os.kill(pids[0], signal.SIGKILL)  # as a peer whose collective failed: it died after rank 1
+    time.sleep(2)
+    fault = faults.scan(dashboard)
+    assert (fault.ranks, fault.after) == ((1,), (0,)), "the rank that died first is the one named"
+    assert fault.message().endswith("died during update_actor (then rank(s) 0)")
 
 
 def test_actors_ended_on_purpose_are_not_faults(two_nodes):
@@ -134,6 +138,17 @@ def test_leftover_processes_of_a_run_are_found_and_stopped(tmp_path):
         assert faults.run_processes(marker) == []
     finally:
         child.kill()
+
+
+def test_processes_that_exit_by_themselves_are_waited_for_not_killed(tmp_path):
+    """Ray's workers leave a moment after their raylet: the launcher waits for them before it kills anything."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"],
+                             env={**os.environ, "TENSORBOARD_DIR": f"{tmp_path}/tensorboard"})
+    try:
+        assert faults.wait_gone(f"TENSORBOARD_DIR={tmp_path}/tensorboard", timeout_s=20) == []
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_ray_start_stops_when_the_launcher_is_killed(tmp_path):

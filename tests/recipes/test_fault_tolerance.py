@@ -33,6 +33,7 @@ STEPS = 3
 OVERRIDES = ("trainer.save_freq=1", "trainer.val_before_train=false", "trainer.test_freq=-1")
 # every logged loss, reward, advantage, length and KL of a step; timings, memory and sync byte counts vary
 COMPARED = ("actor/", "critic/", "response_length/", "prompt_length/", "training/rollout_logprob_diff")
+PEERS = r"( \(then rank\(s\) [\d, ]+\))?: stopping the job"  # the ranks whose collectives failed after it
 RESUME = re.compile(r"^  (\S+ -m tools\.launch .* --resume \S+)$", re.M)
 
 
@@ -43,6 +44,13 @@ def rank_pids(dashboard: str) -> dict[int, int]:
     alive = list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], detail=True, limit=1000,
                         raise_on_missing_output=False)
     return {faults._rank(a): a.pid for a in alive if a.name and faults.WORKER.search(a.name)}
+
+
+def _ranks_up(dashboard: str) -> dict[int, int]:
+    try:
+        return rank_pids(dashboard)
+    except Exception:  # noqa: BLE001 - the dashboard is not up yet
+        return {}
 
 
 def dashboard_of(cmd: list[str]) -> str:
@@ -56,17 +64,25 @@ def run_with_fault(cmd: list[str], dashboard: str, when, fault, timeout_s: float
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stdout), daemon=True)
     reader.start()
-    injected = None
+    injected, pids = None, {}
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
-        if injected is None and when():
-            injected = fault(rank_pids(dashboard))
-        time.sleep(0.05)
+        if len(pids) < 4:  # the state API takes a second: ask it before the moment to strike, not at it
+            pids = _ranks_up(dashboard)
+            time.sleep(1)
+        elif injected is None and when():
+            injected = fault(pids)
+        else:
+            time.sleep(0.01)
     if proc.poll() is None:
         proc.kill()
         pytest.fail(f"{cmd} ran past {timeout_s} s")
     reader.join(10)
     faulted = [t for t, line in lines if line.startswith("fault: ")]
+    run_dir = (Path(cmd[cmd.index("--resume") + 1]) if "--resume" in cmd
+               else Path(cmd[cmd.index("--logs") + 1]) / cmd[cmd.index("--run-id") + 1])
+    if run_dir.is_dir():  # the launcher's output, kept with the run for the reader of a failing test
+        (run_dir / f"launcher-{int(started)}.out").write_text("".join(line for _, line in lines))
     return {"rc": proc.returncode, "out": "".join(line for _, line in lines), "injected": injected,
             "started": started, "fault_seen_at": faulted[0] if faulted else None, "ended": time.time()}
 
@@ -145,7 +161,7 @@ def test_a_rank_killed_during_a_save_leaves_the_last_complete_checkpoint(cut_sav
     out, injected = cut_save["out"], cut_save["injected"]
     assert injected and injected["tracked_while_stopped"] == 1, "the kill must land inside the save of step 2"
     assert cut_save["rc"] == 2, out[-3000:]
-    seen = re.search(r"fault: rank 2 \(pid (\d+) on \S+\) died during save_checkpoint: stopping the job", out)
+    seen = re.search(r"fault: rank 2 \(pid (\d+) on \S+\) died during save_checkpoint" + PEERS, out)
     assert seen and int(seen.group(1)) == injected["pid"], out[-3000:]
     assert "Last complete checkpoint: step 1 (" in out
     ckpt = logs / "cut" / "checkpoints"
@@ -161,7 +177,7 @@ def test_resume_sets_the_cut_save_aside_and_names_a_rank_killed_mid_step(killed_
     assert (ckpt / "global_step_2.partial").is_dir()
     assert killed_mid_step["rc"] == 2, out[-3000:]
     pid = killed_mid_step["injected"]["pid"]
-    assert f"fault: rank 1 (pid {pid} on " in out and ") died during generate_sequences: stopping the job" in out
+    assert re.search(rf"fault: rank 1 \(pid {pid} on \S+\) died during generate_sequences" + PEERS, out)
     assert "Last complete checkpoint: step 2 (" in out and tracked(ckpt) == 2
     assert "processes of the run left after Ray stopped: 0" in out and left_of(logs / "cut") == []
 

@@ -13,6 +13,7 @@ its own TENSORBOARD_DIR; `run_processes` finds what is left of a run by it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -35,11 +36,13 @@ class Fault:
     node_died: bool
     seen_at: float  # time.time() when the launcher saw it
     actor_ids: frozenset[str] = frozenset()  # every dead worker seen, to ignore in a later scan
+    after: tuple[int, ...] = ()  # ranks that died after these (their collectives failed)
 
     def message(self) -> str:
         who = (f"node {self.node} left the cluster with rank(s) {_ranks(self.ranks)}" if self.node_died
                else f"rank {_ranks(self.ranks)} (pid {', '.join(map(str, self.pids))} on {self.node}) died")
-        return who + (f" during {self.phase}" if self.phase else "")
+        return (who + (f" during {self.phase}" if self.phase else "")
+                + (f" (then rank(s) {_ranks(self.after)})" if self.after else ""))
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -62,10 +65,26 @@ def _reason(actor) -> str:
     return ((actor.death_cause or {}).get("actor_died_error_context") or {}).get("reason", "")
 
 
+def _unfinished_tasks(address: str, actor_id: str) -> list:
+    """The tasks of an actor that did not finish, oldest first (a dead rank's is the call it died in)."""
+    from ray.util.state import list_tasks
+
+    tasks = list_tasks(address=address, filters=[("actor_id", "=", actor_id)], detail=True, limit=10000,
+                       raise_on_missing_output=False)
+    return sorted((t for t in tasks if t.state != "FINISHED" and t.name), key=lambda t: t.creation_time_ms or 0)
+
+
+def _died_at(tasks: list) -> float:
+    """When Ray failed the actor's last call (ms), infinity when it recorded none."""
+    ends = [t.end_time_ms for t in tasks if t.end_time_ms]
+    return max(ends) if ends else math.inf
+
+
 def scan(address: str, ignore: frozenset[str] = frozenset()) -> Fault | None:
     """A verl worker that died unasked (its process or its node) in the cluster whose dashboard is at `address`
-    (http://host:port); actors whose id is in `ignore` do not count."""
-    from ray.util.state import list_actors, list_nodes, list_tasks
+    (http://host:port); actors whose id is in `ignore` do not count. A rank's death takes its peers down with it
+    within moments (their collectives fail): the one whose last call failed first is named, the others after it."""
+    from ray.util.state import list_actors, list_nodes
 
     dead_nodes = {n.node_id: n.node_ip for n in list_nodes(address=address, filters=[("state", "=", "DEAD")],
                                                                  raise_on_missing_output=False)}
@@ -74,17 +93,16 @@ def scan(address: str, ignore: frozenset[str] = frozenset()) -> Fault | None:
             if a.name and WORKER.search(a.name) and _reason(a) in FAULT_REASONS and a.actor_id not in ignore]
     if not dead:
         return None
+    tasks = {a.actor_id: _unfinished_tasks(address, a.actor_id) for a in dead}
     on_dead_node = [a for a in dead if a.node_id in dead_nodes]
-    chosen = on_dead_node or dead
-    first = min(chosen, key=lambda a: (_rank(a) is None, _rank(a) or 0))
-    tasks = list_tasks(address=address, filters=[("actor_id", "=", first.actor_id)], limit=10000,
-                       raise_on_missing_output=False)
-    unfinished = [t.name for t in sorted(tasks, key=lambda t: t.creation_time_ms or 0)
-                  if t.state != "FINISHED" and t.name]
+    order = sorted(dead, key=lambda a: (_died_at(tasks[a.actor_id]), _rank(a) is None, _rank(a) or 0))
+    chosen = on_dead_node or order[:1]
+    first = chosen[0]
     node = dead_nodes.get(first.node_id) or _node_ip(address, first.node_id)
     ranks = tuple(sorted(r for a in chosen if (r := _rank(a)) is not None))
-    return Fault(ranks, node, tuple(a.pid for a in chosen if a.pid), phase_of(unfinished), bool(on_dead_node),
-                 time.time(), frozenset(a.actor_id for a in dead))
+    after = tuple(sorted(r for a in dead if a not in chosen and (r := _rank(a)) is not None))
+    return Fault(ranks, node, tuple(a.pid for a in chosen if a.pid), phase_of([t.name for t in tasks[first.actor_id]]),
+                 bool(on_dead_node), time.time(), frozenset(a.actor_id for a in dead), after)
 
 
 def _node_ip(address: str, node_id: str) -> str:
@@ -109,6 +127,15 @@ def run_processes(marker: str, exclude: tuple[int, ...] = ()) -> list[int]:
         if needle in environ + b"\0":
             found.append(int(proc.name))
     return sorted(found)
+
+
+def wait_gone(marker: str, timeout_s: float) -> list[int]:
+    """Wait up to `timeout_s` for the processes holding `marker` to exit; the PIDs still there. Ray's workers
+    leave by themselves once their raylet is gone, a moment after `ray start` returns."""
+    deadline = time.monotonic() + timeout_s
+    while (left := run_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def stop_processes(pids: list[int], grace_s: float = 5.0) -> list[int]:

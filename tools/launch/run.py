@@ -246,6 +246,7 @@ def failure(p: Prepared, fault: faults.Fault | None) -> str:
             f"  {resume_command(p)}")
 
 
+LEFTOVER_GRACE_S = 20.0  # Ray's workers exit by themselves within seconds of their raylet
 ERROR_LINE = re.compile(r"(?:^|\) )((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)(?:\([^)]*\))?: .+)$")
 
 
@@ -259,8 +260,9 @@ def last_error(log: Path) -> str | None:
 
 
 def stop_leftovers(pl: plan.Plan, say) -> None:
-    """Processes of this run that outlived its Ray (found by the run's environment) are stopped and reported."""
-    left = faults.run_processes(f"TENSORBOARD_DIR={pl.env['TENSORBOARD_DIR']}")
+    """Processes of this run that outlived its Ray by more than LEFTOVER_GRACE_S (found by the run's environment)
+    are stopped and reported."""
+    left = faults.wait_gone(f"TENSORBOARD_DIR={pl.env['TENSORBOARD_DIR']}", LEFTOVER_GRACE_S)
     killed = faults.stop_processes(left) if left else []
     say(f"processes of the run left after Ray stopped: {len(left)}"
         + (f" (stopped: {', '.join(map(str, left))}; killed after the grace: {len(killed)})" if left else ""))
