@@ -65,15 +65,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_location(args, recipe: config.Recipe) -> tuple[str, Path]:
+def run_location(args, recipe: config.Recipe, is_head: bool) -> tuple[str, Path]:
     """The run id and the folder of run dirs: --resume's run dir, else --run-id (or the config and the time)
-    under --logs."""
+    under --logs. Only the head reads the resumed run's files; another node only joins."""
     if args.resume is None:
         return args.run_id or f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}", args.logs.resolve()
     run_dir = args.resume.resolve()
     if args.run_id and args.run_id != run_dir.name:
         raise config.ConfigError(f"--run-id {args.run_id} and --resume {args.resume} name two runs: drop --run-id")
-    if not run_dir.is_dir():
+    if is_head and not run_dir.is_dir():
         raise config.ConfigError(f"--resume {args.resume}: no such run directory (runs are under --logs, e.g."
                                  " logs/<run id>)")
     return run_dir.name, run_dir.parent
@@ -96,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         facts = env.gather_facts(master)
         if args.ifname:
             facts = env.NodeFacts(master, args.ifname, facts.node_ip, facts.master_is_local, facts.jemalloc)
-        run_id, logs = run_location(args, recipe)
+        is_head = args.head or facts.master_is_local
+        run_id, logs = run_location(args, recipe, is_head)
         ray_bin = Path(sys.executable).with_name("ray")
         prepared = run.prepare(recipe, facts, run_id, logs, ray_bin=str(ray_bin) if ray_bin.exists() else "ray")
-        cut = run.find_resume(prepared) if args.resume else []
-        if not args.resume:
+        cut = run.find_resume(prepared) if args.resume and is_head else []
+        if not args.resume and is_head:
             run.refuse_saved_run(prepared)
     except config.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -119,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {moved.name}: a save that did not complete, set aside for inspection ({moved})")
     for note in run.save_run_files(prepared, args.venv):
         print(f"note: {note}")
-    is_head = args.head or facts.master_is_local
     try:
         return run.run_head(prepared) if is_head else run.run_worker(prepared)
     except cluster.ClusterError as exc:
