@@ -31,7 +31,7 @@ def saved_run(logs: Path, run_id: str = "r1", steps=(1, 2), tracked: int | None 
         model.write_text(json.dumps(TINY))
         (model.parents[2] / "data.pt").write_bytes(b"0" * 1000)
     if tracked is not None:
-        (ckpt / resume.TRACKER).write_text(str(tracked))
+        resume.tracker_path(ckpt).write_text(str(tracked))
     return p.plan.run_dir
 
 
@@ -79,7 +79,7 @@ def test_a_changed_model_is_refused_naming_what_differs(tmp_path):
 
 def test_a_tracker_verl_did_not_write_is_refused(tmp_path):
     run_dir = saved_run(tmp_path)
-    (run_dir / "checkpoints" / resume.TRACKER).write_text("")
+    resume.tracker_path(run_dir / "checkpoints").write_text("")
     with pytest.raises(config.ConfigError, match="holds '', not a step"):
         run.find_resume(prepared(run_dir))
 

@@ -87,10 +87,6 @@ def run_with_fault(cmd: list[str], dashboard: str, when, fault, timeout_s: float
             "started": started, "fault_seen_at": faulted[0] if faulted else None, "ended": time.time()}
 
 
-def tracked(ckpt: Path) -> int | None:
-    return resume.tracked_step(ckpt)
-
-
 def left_of(run_dir: Path) -> list[int]:
     return faults.run_processes(f"TENSORBOARD_DIR={run_dir / 'tensorboard'}")
 
@@ -121,7 +117,7 @@ def cut_save(logs, smoke_work, straight):
     def stop_then_kill(pids):
         os.kill(pids[2], signal.SIGSTOP)
         time.sleep(2)  # the other ranks wait in the save's barrier; the tracker cannot name step 2
-        seen = tracked(ckpt)
+        seen = resume.tracked_step(ckpt)
         os.kill(pids[2], signal.SIGKILL)
         return {"pid": pids[2], "tracked_while_stopped": seen, "killed_at": time.time()}
 
@@ -165,7 +161,7 @@ def test_a_rank_killed_during_a_save_leaves_the_last_complete_checkpoint(cut_sav
     assert seen and int(seen.group(1)) == injected["pid"], out[-3000:]
     assert "Last complete checkpoint: step 1 (" in out
     ckpt = logs / "cut" / "checkpoints"
-    assert tracked(ckpt) == 1 and (ckpt / "global_step_2").is_dir(), "the cut save stays, untracked"
+    assert resume.tracked_step(ckpt) == 1 and (ckpt / "global_step_2").is_dir(), "the cut save stays, untracked"
     assert "processes of the run left after Ray stopped: 0" in out and left_of(logs / "cut") == []
 
 
@@ -178,7 +174,7 @@ def test_resume_sets_the_cut_save_aside_and_names_a_rank_killed_mid_step(killed_
     assert killed_mid_step["rc"] == 2, out[-3000:]
     pid = killed_mid_step["injected"]["pid"]
     assert re.search(rf"fault: rank 1 \(pid {pid} on \S+\) died during generate_sequences(_cached)?" + PEERS, out)
-    assert "Last complete checkpoint: step 2 (" in out and tracked(ckpt) == 2
+    assert "Last complete checkpoint: step 2 (" in out and resume.tracked_step(ckpt) == 2
     assert "processes of the run left after Ray stopped: 0" in out and left_of(logs / "cut") == []
 
 

@@ -34,7 +34,6 @@ class Fault:
     pids: tuple[int, ...]
     phase: str  # the worker method the first dead rank was running, "" when Ray recorded none
     node_died: bool
-    seen_at: float  # time.time() when the launcher saw it
     actor_ids: frozenset[str] = frozenset()  # every dead worker seen, to ignore in a later scan
     after: tuple[int, ...] = ()  # ranks that died after these (their collectives failed)
 
@@ -102,7 +101,7 @@ def scan(address: str, ignore: frozenset[str] = frozenset()) -> Fault | None:
     ranks = tuple(sorted(r for a in chosen if (r := _rank(a)) is not None))
     after = tuple(sorted(r for a in dead if a not in chosen and (r := _rank(a)) is not None))
     return Fault(ranks, node, tuple(a.pid for a in chosen if a.pid), phase_of([t.name for t in tasks[first.actor_id]]),
-                 bool(on_dead_node), time.time(), frozenset(a.actor_id for a in dead), after)
+                 bool(on_dead_node), frozenset(a.actor_id for a in dead), after)
 
 
 def _node_ip(address: str, node_id: str) -> str:
@@ -113,12 +112,12 @@ def _node_ip(address: str, node_id: str) -> str:
     return ips[0] if ips else node_id[:8]
 
 
-def run_processes(marker: str, exclude: tuple[int, ...] = ()) -> list[int]:
+def run_processes(marker: str) -> list[int]:
     """PIDs of this machine's processes whose environment holds `marker` (e.g. TENSORBOARD_DIR=<run dir>/...)."""
     needle = marker.encode() + b"\0"
     found = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) in exclude or int(proc.name) == os.getpid():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
             environ = (proc / "environ").read_bytes()

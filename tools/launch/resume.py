@@ -10,7 +10,6 @@ saved layout, and its weights are the saved model's.
 from __future__ import annotations
 
 import datetime
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -21,8 +20,6 @@ from tools.launch.keys import AM
 from tools.model.dims import dims_from_config
 from tools.model.errors import ConfigError
 
-TRACKER = "latest_checkpointed_iteration.txt"
-STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
 PARTIAL = ".partial"  # a cut-off save, renamed out of the way of the resumed run's save of that step
 SAVED_MODEL = "actor/hf_config_and_tokenizer/config.json"  # verl saves the model's config.json with its weights
 # What the checkpoint's files are cut by: a change here cannot be loaded (the world fixes the DP groups that
@@ -45,19 +42,27 @@ class Checkpoint:
         return f"step {self.step} ({self.path}, saved {when}, {self.nbytes / 1e9:.3g} GB)"
 
 
-def _steps(ckpt_dir: Path) -> list[int]:
-    return sorted(int(m.group(1)) for p in ckpt_dir.iterdir() if (m := STEP_FOLDER.match(p.name))) \
-        if ckpt_dir.is_dir() else []
+def _completion():
+    """The fork's rules of a complete checkpoint (verl/utils/checkpoint/completion.py: the tracker, the
+    global_step_N folders), imported when needed as config.check_series imports the series' settings."""
+    from verl.utils.checkpoint import completion
+
+    return completion
+
+
+def tracker_path(ckpt_dir: Path) -> Path:
+    from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+
+    return Path(get_checkpoint_tracker_filename(str(ckpt_dir)))
 
 
 def tracked_step(ckpt_dir: Path) -> int | None:
-    tracker = ckpt_dir / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ConfigError(f"{tracker} holds {text!r}, not a step: it was not written by verl's trainer")
-    return int(text)
+    try:
+        return _completion().tracked_step(str(ckpt_dir))
+    except ValueError:
+        text = tracker_path(ckpt_dir).read_text().strip()
+        raise ConfigError(f"{tracker_path(ckpt_dir)} holds {text!r}, not a step: it was not written by verl's"
+                          " trainer") from None
 
 
 def latest(ckpt_dir: Path) -> Checkpoint | None:
@@ -67,13 +72,14 @@ def latest(ckpt_dir: Path) -> Checkpoint | None:
     if step is None or not folder.is_dir():
         return None
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    return Checkpoint(step, folder, (ckpt_dir / TRACKER).stat().st_mtime, size)
+    return Checkpoint(step, folder, tracker_path(ckpt_dir).stat().st_mtime, size)
 
 
 def partial(ckpt_dir: Path) -> list[Path]:
     """Folders of saves that did not complete: every global_step_N newer than the tracked step."""
     done = tracked_step(ckpt_dir)
-    return [ckpt_dir / f"global_step_{s}" for s in _steps(ckpt_dir) if done is None or s > done]
+    return [ckpt_dir / f"global_step_{s}" for s in _completion().saved_steps(str(ckpt_dir))
+            if done is None or s > done]
 
 
 def set_aside(folders: list[Path]) -> list[Path]:
@@ -133,8 +139,9 @@ def find(run_dir: Path, cfg: DictConfig, model_config: dict) -> tuple[Checkpoint
     found, cut = latest(ckpt_dir), partial(ckpt_dir)
     if found is None:
         seen = f"; cut-off saves there: {', '.join(p.name for p in cut)}" if cut else ""
-        raise ConfigError(f"--resume {run_dir}: no complete checkpoint in {ckpt_dir} (no {TRACKER} naming a"
-                          f" global_step_N folder){seen}. The run saved none before it stopped (trainer.save_freq is"
+        raise ConfigError(f"--resume {run_dir}: no complete checkpoint in {ckpt_dir} (no"
+                          f" {tracker_path(ckpt_dir).name} naming a global_step_N folder){seen}. The run saved none"
+                          " before it stopped (trainer.save_freq is"
                           f" {value(cfg, 'trainer.save_freq')}): start a new run without --resume")
     problems = layout_changes(saved_config(run_dir), cfg)
     saved_model = found.path / SAVED_MODEL
