@@ -117,3 +117,11 @@ def test_the_resume_command_repeats_the_config_and_overrides(tmp_path):
     p = prepared(run_dir, "trainer.total_training_steps=9")
     assert run.resume_command(p).endswith(f"-m tools.launch {CONFIGS / 'cpu-tiny.yaml'} trainer.total_training_steps=9"
                                           f" --resume {run_dir}")
+
+
+def test_the_resume_command_of_a_multi_node_run_names_the_head(tmp_path):
+    """Every node runs the same command; without MASTER_ADDR in their shell the others could not find the head."""
+    run_dir = saved_run(tmp_path, overrides=("launch.nodes=2", "launch.devices_per_node=2"))
+    p = run.prepare(config.load(CONFIGS / "cpu-tiny.yaml", ["launch.nodes=2", "launch.devices_per_node=2"]),
+                    env.NodeFacts("10.0.0.1", "eth0", "10.0.0.1", True, None), run_dir.name, run_dir.parent)
+    assert run.resume_command(p).endswith(f"launch.devices_per_node=2 --master-addr 10.0.0.1 --resume {run_dir}")

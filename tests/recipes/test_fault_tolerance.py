@@ -5,9 +5,15 @@ One run is cut twice and finished by resuming, and compared with the same run ma
 2. the printed --resume command continues from step 1, sets the cut save aside, and a rank is killed mid-step 3;
 3. the printed command continues from step 2 and finishes step 3.
 Each time the launcher must name the dead rank and the phase, exit 2, leave no process of the run, and print the
-command that continues it. The finished run must equal the straight one step by step. Faults of a node, of the
-head's launcher and of a full disk are tested without the model (tests/launch/test_faults.py; the verl fork's
-tests/utils/checkpoint/test_completion.py).
+command that continues it. The finished run must equal the straight one step by step.
+
+Two more runs, marked `long` (beyond CI's time; `pytest -m long` runs them), are cut and finished the same way:
+- "disk": checkpoints on a tmpfs that holds one checkpoint: the save of step 2 fills it; after the disk is made
+  larger the resume is cut by SIGKILL to the head's launcher itself mid-step 3 (every process of the run must exit
+  by itself), and a second resume finishes;
+- "node": two Ray nodes on this machine (the launcher's head and a worker node started as a worker launcher starts
+  it); the worker node is killed mid-step 2, and a resume with a new worker node finishes.
+Without the model, these faults are also tested in tests/launch/test_faults.py.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -57,10 +64,12 @@ def dashboard_of(cmd: list[str]) -> str:
     return "http://127.0.0.1:" + next(a for a in cmd if a.startswith("launch.ray.dashboard_port=")).split("=")[1]
 
 
-def run_with_fault(cmd: list[str], dashboard: str, when, fault, timeout_s: float = 1500) -> dict:
-    """Start `cmd`, call fault(pids) once when() holds, and wait for the launcher to exit."""
+def run_with_fault(cmd: list[str], dashboard: str, when, fault, timeout_s: float = 1500, on_start=None) -> dict:
+    """Start `cmd` (on_start(proc) after), call fault(pids) once when() holds, and wait for the launcher to exit."""
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if on_start is not None:
+        on_start(proc)
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stdout), daemon=True)
     reader.start()
@@ -182,7 +191,11 @@ def test_the_resumed_run_finishes_and_equals_the_straight_run(finished, straight
     out = finished["out"]
     assert finished["rc"] == 0, out[-3000:]
     assert "resume: continues cut from step 2 (" in out
-    got, want = scalars(logs / "cut"), scalars(straight["run_dir"])
+    assert_same_steps(logs / "cut", straight["run_dir"])
+
+
+def assert_same_steps(resumed: Path, straight: Path) -> None:
+    got, want = scalars(resumed), scalars(straight)
     assert sorted(got) == sorted(want) == [1, 2, 3], "one TensorBoard run: steps 1-3, none repeated or skipped"
     differ = {(step, key): (got[step].get(key), value) for step in want for key, value in want[step].items()
               if got[step].get(key) != value}
@@ -198,3 +211,168 @@ def test_faults_are_seen_within_a_watch_period_and_the_run_stops_soon_after(cut_
         ended = run["ended"] - run["injected"]["killed_at"]
         print(f"fault named {seen:.1f} s after the kill; launcher exited after {ended:.1f} s")
         assert seen < 15 and ended < 120
+
+
+# --- long: a full disk, the head's launcher killed, a worker node lost ---------------------------------------------
+
+DISK_MB, BIGGER_MB = 40, 200  # one cpu-tiny checkpoint is 26 MB: the first fits, the second does not
+HEAD_GONE_S = 60  # the bound for the run's processes to exit once the head's launcher is killed
+TWO_NODES = ("launch.nodes=2", "launch.devices_per_node=2", "launch.ray.join_timeout_s=600")
+
+
+@pytest.fixture(scope="module")
+def small_disk(tmp_path_factory):
+    where = tmp_path_factory.mktemp("small-disk")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"a full disk is made with a tmpfs, which needs root: {mounted.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", "--lazy", str(where)], check=False)
+
+
+@pytest.fixture(scope="module")
+def disk_full(logs, smoke_work, small_disk, straight):
+    cmd = smoke_command("megatron", STEPS, smoke_work, logs, *OVERRIDES, f"recipe.checkpoints.dir={small_disk}",
+                        "trainer.max_actor_ckpt_to_keep=1", run_id="disk")
+    return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
+
+
+@pytest.fixture(scope="module")
+def head_killed(logs, small_disk, disk_full):
+    """The disk made larger, the printed command run, and its launcher SIGKILLed once step 2 is logged."""
+    subprocess.run(["mount", "-o", f"remount,size={BIGGER_MB}m", str(small_disk)], check=True)
+    cmd = resume_command(disk_full)
+    log = logs / "disk" / "trainer.log"
+    since = log.stat().st_size
+    launcher: dict = {}
+
+    def kill_the_launcher(pids):
+        os.kill(launcher["pid"], signal.SIGKILL)
+        return {"killed_at": time.time()}
+
+    run = run_with_fault(cmd, dashboard_of(cmd), lambda: "step:2 -" in log.read_text()[since:], kill_the_launcher,
+                         on_start=lambda proc: launcher.update(pid=proc.pid))
+    deadline = time.monotonic() + HEAD_GONE_S
+    while (left := left_of(logs / "disk")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    run["left"], run["gone_after"] = left, time.time() - run["injected"]["killed_at"]
+    faults.stop_processes(left)  # should the test fail, the next one must not find them
+    return run
+
+
+@pytest.fixture(scope="module")
+def disk_finished(disk_full, head_killed):
+    cmd = resume_command(disk_full)  # what the user runs again: the launcher that was killed printed nothing
+    return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
+
+
+@pytest.mark.long
+def test_a_full_disk_fails_the_run_with_the_error_and_leaves_the_last_checkpoint(disk_full, small_disk):
+    out = disk_full["out"]
+    assert disk_full["rc"] == 2, out[-3000:]
+    assert "No space left on device" in out and "Last complete checkpoint: step 1 (" in out, out[-3000:]
+    assert resume.tracked_step(small_disk / "disk") == 1, "the tracker never names the save the disk cut off"
+    assert "processes of the run left after Ray stopped: 0" in out
+
+
+@pytest.mark.long
+def test_the_run_ends_by_itself_when_the_head_launcher_is_killed(head_killed, logs):
+    out = head_killed["out"]
+    assert "resume: continues disk from step 1 (" in out and "set aside for inspection" in out
+    assert head_killed["rc"] == -signal.SIGKILL
+    print(f"head's launcher killed: the run's processes were gone after {head_killed['gone_after']:.1f} s")
+    assert head_killed["left"] == [], f"still running {HEAD_GONE_S} s after the launcher was killed"
+
+
+@pytest.mark.long
+def test_the_run_resumed_after_the_disk_and_head_faults_equals_the_straight_run(disk_finished, straight, logs):
+    assert disk_finished["rc"] == 0, disk_finished["out"][-3000:]
+    assert "resume: continues disk from step 2 (" in disk_finished["out"]
+    assert_same_steps(logs / "disk", straight["run_dir"])
+
+
+def worker_node(cmd: list[str], log: Path) -> subprocess.Popen:
+    """The worker node's `ray start`, as `python -m tools.launch` on a second node runs it (plan.worker_command),
+    with ports of its own beside the head's on this one machine, started once the head answers."""
+    from tests.gloo import free_port
+    from tools.launch import cluster, config, layout, plan
+
+    port = int(next(a for a in cmd if a.startswith("launch.ray.port=")).split("=")[1])
+    lay = layout.from_config(config.load(ROOT / "recipes/deepseek_r1/configs/cpu-tiny.yaml", list(TWO_NODES)).cfg)
+    extra = (f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}")
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    cluster.wait_for_port("127.0.0.1", port, attempts=600, backoff_s=1, max_backoff_s=1, say=lambda _: None)
+    return subprocess.Popen(plan.worker_command(lay, "127.0.0.1", port, ray_bin, extra), stdout=log.open("ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_AUTH_MODE": cluster.ray_auth_mode()})
+
+
+def with_worker_node(cmd: list[str], log: Path, nodes: list) -> None:
+    threading.Thread(target=lambda: nodes.append(worker_node(cmd, log)), daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def node_lost(logs, smoke_work, straight):
+    """Two nodes; the worker node's every process SIGKILLed once step 1 is logged (mid-step 2)."""
+    cmd = smoke_command("megatron", STEPS, smoke_work, logs, *OVERRIDES, *TWO_NODES, run_id="node")
+    nodes: list[subprocess.Popen] = []
+    with_worker_node(cmd, logs / "worker-node.log", nodes)
+    log = logs / "node" / "trainer.log"
+
+    def kill_the_node(pids):
+        ranks = ranks_off_the_head(dashboard_of(cmd))
+        os.killpg(nodes[0].pid, signal.SIGKILL)  # `ray start`, the raylet and the daemons it started
+        return {"killed_at": time.time(), "ranks": ranks}
+
+    try:
+        return run_with_fault(cmd, dashboard_of(cmd), lambda: log.is_file() and "step:1 -" in log.read_text(),
+                              kill_the_node)
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def ranks_off_the_head(dashboard: str) -> list[int]:
+    """The ranks whose worker actor lives on a node other than the head (verl places one pool per node)."""
+    from ray.util.state import list_actors, list_nodes
+
+    head = {n.node_id for n in list_nodes(address=dashboard, filters=[("is_head_node", "=", True)],
+                                          raise_on_missing_output=False)}
+    alive = list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], detail=True, limit=1000,
+                        raise_on_missing_output=False)
+    return sorted(faults._rank(a) for a in alive if a.name and faults.WORKER.search(a.name) and a.node_id not in head)
+
+
+@pytest.fixture(scope="module")
+def node_finished(logs, node_lost):
+    cmd = resume_command(node_lost)
+    nodes: list[subprocess.Popen] = []
+    with_worker_node(cmd, logs / "worker-node.log", nodes)
+    try:
+        return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
+    finally:
+        for node in nodes:
+            node.terminate()
+            node.wait(60)
+
+
+@pytest.mark.long
+def test_a_lost_worker_node_is_named_with_its_ranks(node_lost, logs):
+    out, injected = node_lost["out"], node_lost["injected"]
+    assert injected and len(injected["ranks"]) == 2, "the worker node holds two ranks"
+    assert node_lost["rc"] == 2, out[-3000:]
+    named = ", ".join(map(str, injected["ranks"]))
+    assert f"fault: node 127.0.0.1 left the cluster with rank(s) {named}" in out, out[-3000:]
+    assert "Last complete checkpoint: step 1 (" in out and " --master-addr 127.0.0.1 --resume " in out
+    seen = node_lost["fault_seen_at"] - injected["killed_at"]
+    print(f"lost node named {seen:.1f} s after its processes were killed")
+    assert seen < 40, "Ray's health check (period 3 s x 5 misses) plus one watch period"
+    assert "processes of the run left after Ray stopped: 0" in out and left_of(logs / "node") == []
+
+
+@pytest.mark.long
+def test_the_run_resumed_after_a_lost_node_equals_the_straight_run(node_finished, straight, logs):
+    assert node_finished["rc"] == 0, node_finished["out"][-3000:]
+    assert "resume: continues node from step 1 (" in node_finished["out"]
+    assert_same_steps(logs / "node", straight["run_dir"])

@@ -129,8 +129,10 @@ def refuse_saved_run(p: Prepared) -> None:
 
 
 def resume_command(p: Prepared) -> str:
-    """The command that continues this run from its last complete checkpoint (the launcher's own arguments)."""
-    return shlex.join([sys.executable, "-m", "tools.launch", str(p.recipe.path), *p.recipe.overrides,
+    """The command that continues this run from its last complete checkpoint (the launcher's own arguments); with
+    more than one node it names the head, so that it also serves, unchanged, on every other node."""
+    head = ["--master-addr", p.plan.master_addr] if p.plan.layout.nodes > 1 else []
+    return shlex.join([sys.executable, "-m", "tools.launch", str(p.recipe.path), *p.recipe.overrides, *head,
                        "--resume", str(p.plan.run_dir)])
 
 
