@@ -63,7 +63,10 @@ def parser() -> argparse.ArgumentParser:
             "pypi: download the pinned distribution (sha256 checked) and lay it out as a git\n"
             "repository whose one commit is tagged with the upstream ref and marked PyPI-derived.\n"
             "auto: git, else pypi, else an error naming what was tried. A present tree is left\n"
-            "alone unless --force (which still refuses to drop uncommitted or unexported work).")
+            "alone unless --force (which still refuses to drop uncommitted or unexported work).\n"
+            "A git tree that holds the pin but sits elsewhere, off recipe/<fork> (an interrupted\n"
+            "`git submodule update --init` leaves its clones at the remote's default branch), is\n"
+            "checked out at the pin when it holds no commit or change of ours, else refused.")
     _fork_args(p)
     p.add_argument("--source", choices=("auto", "git", "pypi"), default="auto")
     p.add_argument("--force", action="store_true", help="replace a tree that is already present")
@@ -189,6 +192,9 @@ def _status_row(root: Path, fork) -> tuple[tuple[str, ...], bool]:
     dirty = git.dirty_paths(st.path)
     on_branch = git.head_branch(st.path) == fork.branch
     tree = f"{len(dirty)} uncommitted" if dirty else ("clean" if on_branch else "clean, HEAD off branch")
+    head = ops.off_pin(st)
+    if head:
+        tree = f"off pin ({head[:12]}){f', {len(dirty)} uncommitted' if dirty else ''}, run sync"
     ok = ops.is_current(st) and not stray and not dirty and on_branch
     return (fork.name, pin, source, branch, series, tree), ok
 

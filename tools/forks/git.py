@@ -114,9 +114,25 @@ def head_branch(repo: Path) -> str | None:
 
 
 def dirty_paths(repo: Path) -> list[str]:
-    """Tracked files with uncommitted changes plus untracked, non-ignored files."""
-    text = run(repo, "status", "--porcelain=v1", "--untracked-files=normal").stdout
-    return [line[3:] for line in text.splitlines() if line]
+    """Tracked files with uncommitted changes plus untracked, non-ignored files.
+
+    In a work tree never checked out, git reports every file of HEAD as a staged deletion; nobody
+    made those changes, so there only the untracked files count.
+    """
+    lines = run(repo, "status", "--porcelain=v1", "--untracked-files=normal").stdout.splitlines()
+    if not checked_out(repo):
+        lines = [line for line in lines if line.startswith("??")]
+    return [line[3:] for line in lines if line]
+
+
+def checked_out(repo: Path) -> bool:
+    """False for a work tree git never filled: no index, as `clone --no-checkout` leaves it."""
+    return (git_dir(repo) / "index").exists()
+
+
+def unpublished(repo: Path, rev: str, *known: str) -> list[str]:
+    """Commits of `rev` on no remote-tracking branch or tag and not in `known`'s history, oldest first."""
+    return out(repo, "rev-list", "--reverse", rev, "--not", "--remotes", "--tags", *known).split()
 
 
 def commits(repo: Path, base: str, tip: str) -> list[str]:

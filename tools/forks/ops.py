@@ -170,7 +170,8 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
     st = state(root, fork)
     if st.base and source in ("auto", st.source) and not force:
         set_gitlink(root, fork)
-        return f"already present ({st.source})"
+        head = off_pin(st)
+        return _back_to_pin(root, st, head) if head else f"already present ({st.source})"
     if st.source == "git" and source in ("auto", "git") and not force:
         # The pin moved (a pulled rebase): fetch it into the existing checkout, losing nothing.
         _require_no_local_work(st)
@@ -211,6 +212,54 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
         )
     except sources.SourceError as exc:
         raise ForkError(str(exc)) from None
+
+
+def off_pin(st: State) -> str | None:
+    """HEAD's commit when a git tree holds the pin but sits neither at it nor on the fork branch.
+
+    An interrupted `git submodule update --init` leaves each clone it made at the remote's default
+    branch, never checked out: the pin is there, HEAD is not at it.
+    """
+    if st.source != "git" or st.base is None or git.head_branch(st.path) == st.fork.branch:
+        return None
+    head = git.resolve(st.path, "HEAD")
+    return head if head != st.base else None
+
+
+def _back_to_pin(root: Path, st: State, head: str) -> str:
+    """Check out the pin where that loses nothing of ours; else refuse, naming what is ours."""
+    branch = git.head_branch(st.path)
+    how = f"branch {branch}" if branch else "detached"
+    if not git.checked_out(st.path):
+        how += ", never checked out: an interrupted clone"
+    where = f"{head[:12]} ({how})"
+    commits = git.unpublished(st.path, "HEAD", st.base)
+    dirty = git.dirty_paths(st.path)
+    if commits or dirty:
+        raise ForkError(_off_pin_refusal(st, where, commits, dirty, branch))
+    sources.checkout_pin(root, st.fork)
+    return f"was at {where}, off the pin: checked out the pin {st.base[:12]} ({st.fork.ref})"
+
+
+def _off_pin_refusal(st: State, where: str, commits: list[str], dirty: list[str], branch: str | None) -> str:
+    ours, keep, pin = [], [], st.base[:12]
+    if commits:
+        subjects = [git.out(st.path, "log", "-1", "--format=%h %s", c) for c in commits[:5]]
+        ours.append(f"{len(commits)} commit(s) on no upstream branch or tag ({'; '.join(subjects)})")
+        if branch is None:
+            keep.append("`git branch <name>`")
+    if dirty:
+        shown = ", ".join(dirty[:5]) + (" ..." if len(dirty) > 5 else "")
+        ours.append(f"{len(dirty)} uncommitted file(s) ({shown})")
+        # Without an index git would stash every file of HEAD as deleted: move the files instead.
+        keep.append("`git stash --include-untracked`" if git.checked_out(st.path) else "move them out of the tree")
+    keep.append(f"`git checkout --detach {pin}`" + (f" (the commits stay on {branch})" if commits and branch else ""))
+    discard = [f"`git checkout --force --detach {pin}`", *(["`git clean -fd`"] if dirty else [])]
+    return (
+        f"{st.fork.name}: {st.path} is at {where}, not at the pin {pin} ({st.fork.ref}), and holds work of ours:"
+        f" {'; '.join(ours)}. Fix, in that directory, to keep it: {', then '.join(keep)};"
+        f" to discard it: {', then '.join(discard)}"
+    )
 
 
 def _clear_failed_checkout(path: Path) -> None:

@@ -92,6 +92,17 @@ def sync_git(root: Path, fork: Fork) -> None:
             f"  fix: give git a mirror, e.g. `git config --global url.<mirror>.insteadOf {fork.url}`,"
             " or use --source pypi where the fork has a PyPI source"
         )
+    _record_git(path, fork)
+
+
+def checkout_pin(root: Path, fork: Fork) -> None:
+    """Detach a git checkout that already holds the pin at it, as `git submodule update` does."""
+    path = root / fork.path
+    git.run(path, "checkout", "--quiet", "--detach", fork.commit)
+    _record_git(path, fork)
+
+
+def _record_git(path: Path, fork: Fork) -> None:
     git.set_config(path, "recipe.source", "git")
     git.set_config(path, "recipe.base", fork.commit)
 
