@@ -5,10 +5,11 @@ from __future__ import annotations
 import tomllib
 
 from tests.forks.conftest import git
+from tools.forks.series import Series
 
 
 def _series(p):
-    return [n for n in (p.patches / "series").read_text().splitlines() if n.endswith(".patch")]
+    return Series(p.patches).names()
 
 
 def _gitlink(p):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.forks.conftest import PATCHES, SENDABLE_TRAILERS, bad_patch, commit, git
-from tools.forks.series import file_name
+from tools.forks.series import Series, file_name
 
 
 def _snapshot(directory):
@@ -14,7 +14,7 @@ def _snapshot(directory):
 
 def test_export_writes_one_file_per_commit_with_series_order(with_series):
     p = with_series
-    names = [n for n in (p.patches / "series").read_text().splitlines() if not n.startswith("#")]
+    names = Series(p.patches).names()
     assert names == ["add-a-feature-flag.patch", "fix-typo-in-helper.patch", "raise-the-default-batch.patch"]
     text = (p.patches / names[0]).read_text()
     assert text.startswith("From 0000000000000000000000000000000000000000 ")

@@ -7,6 +7,7 @@ import http.server
 import threading
 
 from tests.forks.conftest import PATCHES, V1_FILES, commit, git, make_project, make_sdist, sha256
+from tools.forks.series import Series
 
 
 def test_status_before_sync_reports_absent_and_check_fails(project, capsys):
@@ -164,7 +165,7 @@ def test_apply_refuses_commits_not_in_the_series(with_series, capsys):
 
 def test_apply_rebuilds_when_the_series_on_disk_changes(with_series):
     p = with_series
-    names = [n for n in (p.patches / "series").read_text().splitlines() if n.endswith(".patch")]
+    names = Series(p.patches).names()
     (p.patches / "series").write_text("\n".join(names[:2]) + "\n")
     (p.patches / names[2]).unlink()
     assert p.cli("apply", "demo") == 0
@@ -174,7 +175,7 @@ def test_apply_rebuilds_when_the_series_on_disk_changes(with_series):
 
 def test_apply_failure_names_the_patch_and_keeps_the_branch(with_series, capsys):
     p = with_series
-    names = [n for n in (p.patches / "series").read_text().splitlines() if n.endswith(".patch")]
+    names = Series(p.patches).names()
     broken = p.patches / names[2]
     broken.write_text(broken.read_text().replace("-batch = 8", "-batch = 9"))
     tip = git(p.fork, "rev-parse", "recipe/demo")

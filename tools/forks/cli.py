@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tools.forks import git, ops
 from tools.forks import rebase as rebase_mod
+from tools.forks import series as series_mod
 from tools.forks.manifest import PROFILES, ManifestError, find_root, load
 from tools.forks.series import Series
 
@@ -26,6 +27,7 @@ file, and as commits on the branch recipe/<fork> inside the submodule. Typical u
   python -m tools.forks apply           # series -> branch recipe/<fork>
   (edit and commit on recipe/<fork> inside third_party/<fork>)
   python -m tools.forks export verl     # branch -> series; review `git diff third_party/patches`
+  python -m tools.forks series verl     # the series' topics with their patch counts
   python -m tools.forks rebase verl --onto v0.5.0
 
 Exit codes: 0 ok, 1 a check found problems, 2 an operation failed, 3 a rebase stopped on a conflict.
@@ -82,7 +84,15 @@ def parser() -> argparse.ArgumentParser:
     _fork_args(p)
     p.add_argument("--dry-run", action="store_true", help="say what would be replayed")
 
+    p = add("series", "List each series' topics with their patch counts, in apply order.",
+            "Topics are the `# == name ==` headers of third_party/patches/<fork>/series; a topic the\n"
+            "apply order interleaves with others is counted once, with the number of places it appears.\n"
+            "Works without the fork sources.")
+    _fork_args(p)
+
     p = add("export", "Write branch recipe/<fork> back as its patch series (deterministic).",
+            "Topic headers of the series (`# == name ==` and the `# why` lines under it) stay before\n"
+            "their first patch still there; a new commit joins the topic of the one before it.\n"
             "--check writes nothing and exits 1 when the series on disk differs from the branch.")
     _fork_args(p)
     p.add_argument("--check", action="store_true", help="compare only; exit 1 on any difference")
@@ -92,7 +102,8 @@ def parser() -> argparse.ArgumentParser:
             "body and the trailers `Reason:` and `Upstream-Status:` (Pending | Submitted <link> |\n"
             "Inappropriate <why>). Fit to send upstream: subjects of at most 72 characters, a\n"
             "`Signed-off-by:` trailer, and no citation of our issue tracker (`issue 8`, `#12`) in the\n"
-            "message or its trailers; upstream references are URLs or owner/repo#N.")
+            "message or its trailers; upstream references are URLs or owner/repo#N. The `series` file\n"
+            "reads as export writes it: no comment that export would drop, a blank line before each topic.")
     _fork_args(p)
 
     p = add("test", "Run the tests the series adds, inside each fork's patched tree.",
@@ -260,6 +271,19 @@ def _describe(changed: list[str]) -> str:
     return f"wrote {', '.join(changed)}" if changed else "unchanged"
 
 
+def cmd_series(args, manifest, forks) -> int:
+    for fork in forks:
+        layout = Series(manifest.root / fork.patches).layout()
+        by_topic = series_mod.topics(layout)
+        print(f"{fork.name}: {len(layout.names)} patches, {len(by_topic.keys() - {''})} topics")
+        for topic, groups in by_topic.items():
+            count = sum(len(group.patches) for group in groups)
+            places = f" (in {len(groups)} places)" if len(groups) > 1 else ""
+            why = next((group.why for group in groups if group.why), "")
+            print(f"  {count:3d}  {topic or '(no topic)'}{places}" + (f"\n       {why}" if why else ""))
+    return EXIT_OK
+
+
 def cmd_check(args, manifest, forks) -> int:
     bad = 0
     for fork in forks:
@@ -333,6 +357,7 @@ COMMANDS = {
     "sync": cmd_sync,
     "apply": cmd_apply,
     "export": cmd_export,
+    "series": cmd_series,
     "check": cmd_check,
     "test": cmd_test,
     "rebase": cmd_rebase,

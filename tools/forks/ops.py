@@ -109,7 +109,7 @@ def _branch_matches_series(st: State) -> bool:
     ancestor = git.run(st.path, "merge-base", "--is-ancestor", st.base, st.tip, check=False)
     if ancestor.returncode != 0 or git.has_merges(st.path, st.base, st.tip):
         return False
-    rendered = series_mod.render(st.path, git.commits(st.path, st.base, st.tip))
+    rendered = series_mod.render(st.path, git.commits(st.path, st.base, st.tip), st.series.layout())
     return not series_mod.differences(st.series, rendered)
 
 
@@ -318,7 +318,7 @@ def export(root: Path, fork: Fork, check: bool = False) -> list[str]:
                         "rebuild it with `apply` or move the pin with `rebase`")
     if git.has_merges(st.path, st.base, st.tip):
         raise ForkError(f"{fork.name}: {fork.branch} has merge commits; a series must be linear")
-    rendered = series_mod.render(st.path, git.commits(st.path, st.base, st.tip))
+    rendered = series_mod.render(st.path, git.commits(st.path, st.base, st.tip), st.series.layout())
     if check:
         changed = series_mod.differences(st.series, rendered)
         if changed and st.tip == st.recorded_tip and st.recorded_series != st.series.digest():

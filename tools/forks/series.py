@@ -1,12 +1,21 @@
 """Patch series on disk: `third_party/patches/<fork>/series` plus one format-patch file per commit.
 
 The `series` file lists patch files in the order they apply; `#` starts a comment. File names are
-derived from subjects (no numbers), so inserting a patch renames nothing else.
+derived from subjects (no numbers), so inserting a patch renames nothing else. Topic headers group the
+patches for readers, without changing their order:
+
+    # == CPU backend ==
+    # the trainer runs on CPUs for tests and small machines   (optional: one or more "why" lines)
+    answer-verl-s-device-memory-and-seeding-calls-on-cpu.patch
+
+A topic may recur when the apply order interleaves it with others. `export` keeps every header before
+the first of its patches that is still there; a new patch simply follows its predecessor.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import tempfile
@@ -20,6 +29,7 @@ UPSTREAM_STATUS = re.compile(r"^(Pending|Submitted \S+|Inappropriate \S.*)$")
 # a file the patch creates: `diff --git a/X b/X` followed by `new file mode`
 NEW_FILE = re.compile(r"^diff --git a/(\S+) b/\1\nnew file mode", re.MULTILINE)
 SERIES_HEADER = "# Order in which the patches apply (tools.forks export writes this file).\n"
+TOPIC = re.compile(r"^# == (?P<name>\S.*?) ==$")
 SUBJECT_MAX = 72  # what upstream maintainers (and git log --oneline) read without wrapping
 SLUG_MAX = 64  # git format-patch's file-name length; we cut at a word boundary instead of mid-word
 SIGN_OFF = "Signed-off-by"  # the DCO line vLLM's CI (and many upstreams) require on every commit
@@ -37,6 +47,103 @@ class Patch:
     trailers: dict[str, str]
 
 
+@dataclass(frozen=True)
+class Group:
+    """Consecutive patches under one topic header; the header is empty for patches before any topic."""
+
+    header: tuple[str, ...]  # the `# == name ==` line, then its `# why` lines
+    patches: tuple[str, ...]
+
+    @property
+    def topic(self) -> str:
+        return TOPIC.match(self.header[0])["name"] if self.header else ""
+
+    @property
+    def why(self) -> str:
+        return " ".join(line[1:].strip() for line in self.header[1:])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parsed `series` file: its groups in order, and what `export` would not write back."""
+
+    groups: tuple[Group, ...]
+    lost: tuple[str, ...]  # "line N: what and the fix", for comments outside topic headers and the like
+
+    @property
+    def names(self) -> list[str]:
+        return [name for group in self.groups for name in group.patches]
+
+
+def parse_layout(text: str) -> Layout:
+    """The one reader of `series` text: patches in order, grouped under their topic headers.
+
+    Blank lines and comments are never patches. The top comment and topic headers (with the `#`
+    lines right under them) are what `export` writes back; any other comment is reported in `lost`.
+    """
+    groups: list[tuple[int, list[str], list[str]]] = [(0, [], [])]  # (line of the header, header, patches)
+    lost: list[tuple[int, str]] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        _, header, patches = groups[-1]
+        if TOPIC.match(line):
+            groups.append((number, [line], []))
+        elif line.startswith("#"):
+            if header and not patches:
+                header.append(line)
+            elif number > 1 or line != SERIES_HEADER.strip():
+                lost.append((number, f"comment {line!r} is not under a `# == topic ==` header; export drops"
+                                     " it: make it a topic header, or a `# why` line right under one"))
+        elif line:
+            name, _, comment = line.partition("#")
+            if comment:
+                lost.append((number, f"comment after {name.strip()!r}; export drops it: move it into the"
+                                     " topic header above"))
+            patches.append(name.strip())
+    lost += [(number, f"topic {header[0]!r} has no patches; export drops it: delete it or list patches under it")
+             for number, header, patches in groups if header and not patches]
+    return Layout(tuple(Group(tuple(h), tuple(p)) for _, h, p in groups if p),
+                  tuple(f"line {number}: {problem}" for number, problem in sorted(lost)))
+
+
+def arrange(old: Layout, names: list[str]) -> Layout:
+    """Lay out `names` (the new apply order) under the headers of `old`.
+
+    A header goes before the first of its patches still present (so a header whose patches all
+    disappeared is dropped); any other patch, new ones included, follows its predecessor.
+    """
+    present = set(names)
+    anchors: dict[str, tuple[str, ...]] = {}
+    for group in old.groups:
+        first = next((n for n in group.patches if n in present), None)
+        if group.header and first:
+            anchors.setdefault(first, group.header)
+    groups: list[tuple[tuple[str, ...], list[str]]] = [((), [])]
+    for name in names:
+        if name in anchors:
+            groups.append((anchors[name], []))
+        groups[-1][1].append(name)
+    return Layout(tuple(Group(h, tuple(p)) for h, p in groups if p), ())
+
+
+def format_layout(layout: Layout) -> str:
+    """`series` text as export writes it: the top comment, then each group, a blank line before a header."""
+    text = SERIES_HEADER
+    for group in layout.groups:
+        if group.header:
+            text += "\n" + "".join(f"{line}\n" for line in group.header)
+        text += "".join(f"{name}\n" for name in group.patches)
+    return text
+
+
+def topics(layout: Layout) -> dict[str, list[Group]]:
+    """The groups of each topic, topics in order of first appearance ("" for patches before any header)."""
+    by_topic: dict[str, list[Group]] = {}
+    for group in layout.groups:
+        by_topic.setdefault(group.topic, []).append(group)
+    return by_topic
+
+
 class Series:
     def __init__(self, directory: Path):
         self.dir = directory
@@ -45,18 +152,22 @@ class Series:
     def series_file(self) -> Path:
         return self.dir / SERIES
 
+    def layout(self) -> Layout:
+        """The parsed `series` file; no groups when it does not exist yet."""
+        if not self.series_file.is_file():
+            return Layout((), ())
+        return parse_layout(self.series_file.read_text(encoding="utf-8"))
+
     def names(self) -> list[str]:
         """Patch files in order; empty when the series does not exist yet."""
-        if not self.series_file.is_file():
-            return []
-        lines = self.series_file.read_text(encoding="utf-8").splitlines()
-        return [s for s in (line.split("#", 1)[0].strip() for line in lines) if s]
+        return self.layout().names
 
     def paths(self) -> list[Path]:
         return [self.dir / n for n in self.names()]
 
     def digest(self) -> str:
-        """Hash of the series file and every listed patch: what `apply` stamps a branch with."""
+        """Hash of the listed patches, names and contents, in order: what `apply` stamps a branch with.
+        Comments and topic headers do not count, so editing them asks for no rebuild."""
         h = hashlib.sha256()
         for name in self.names():
             path = self.dir / name
@@ -89,10 +200,14 @@ def parse(patch_path: Path, cwd: Path) -> Patch:
 def lint(series: Series, cwd: Path) -> list[str]:
     """Problems of a series as sentences naming the file and the fix; empty when clean."""
     problems: list[str] = []
-    names = series.names()
+    layout = series.layout()
+    names = layout.names
     listed = set(names)
     if series.files_on_disk() and not series.series_file.is_file():
         problems.append(f"{series.dir}: patches exist but no `series` file lists their order")
+    problems += [f"{series.series_file}: {lost}" for lost in layout.lost]
+    if series.series_file.is_file() and not layout.lost:
+        problems += _layout_problems(series.series_file, layout)
     for dup in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"{series.series_file}: {dup} is listed twice")
     for name in names:
@@ -126,6 +241,18 @@ def lint(series: Series, cwd: Path) -> list[str]:
             )
         problems += [f"{where}: {problem}" for problem in sendable_problems(patch)]
     return problems
+
+
+def _layout_problems(path: Path, layout: Layout) -> list[str]:
+    """The first line where the file differs from what export would write (blank lines, spacing)."""
+    have = path.read_text(encoding="utf-8").split("\n")
+    want = format_layout(layout).split("\n")
+    for number, (line, expected) in enumerate(itertools.zip_longest(have, want), 1):
+        if line != expected:
+            shown = [repr(x) if x is not None else "the end of the file" for x in (line, expected)]
+            return [f"{path}: line {number} is {shown[0]}, export writes {shown[1]} (the top comment, the"
+                    " patches, a blank line before each `# == topic ==` header and nowhere else, a final newline)"]
+    return []
 
 
 def sendable_problems(patch: Patch) -> list[str]:
@@ -164,13 +291,14 @@ def file_name(subject: str, taken: set[str]) -> str:
     return name
 
 
-def render(repo: Path, commit_ids: list[str]) -> dict[str, str]:
-    """Patch file name -> content for commits (oldest first), plus the `series` text under SERIES."""
+def render(repo: Path, commit_ids: list[str], on_disk: Layout) -> dict[str, str]:
+    """Patch file name -> content for commits (oldest first), plus the `series` text under SERIES,
+    its patches grouped under the topic headers of `on_disk` (the series being replaced)."""
     files: dict[str, str] = {}
     for sha in commit_ids:
         subject = git.out(repo, "log", "-1", "--format=%s", sha)
         files[file_name(subject, set(files))] = git.format_patch(repo, sha)
-    files[SERIES] = SERIES_HEADER + "".join(f"{name}\n" for name in files)
+    files[SERIES] = format_layout(arrange(on_disk, list(files)))
     return files
 
 
