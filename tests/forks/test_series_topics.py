@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.forks.conftest import PATCHES, commit, git
-from tools.forks.series import SERIES_HEADER, arrange, format_layout, parse_layout
+from tools.forks.series import SERIES_HEADER, Series, arrange, format_layout, parse_layout
 
 A, B, C = "add-a-feature-flag.patch", "fix-typo-in-helper.patch", "raise-the-default-batch.patch"
 TOPICS = (SERIES_HEADER
@@ -134,3 +136,14 @@ def test_the_series_view_counts_patches_per_topic(with_series, capsys):
         "    2  Features (in 2 places)\n       what the recipe switches on\n"
         "    1  Fixes\n")
 
+
+def test_every_real_series_parses_with_topics_and_nothing_export_would_drop():
+    from tools.forks.manifest import find_root, load
+
+    manifest = load(find_root(Path(__file__).parent))
+    for fork in manifest.forks.values():
+        series = Series(manifest.root / fork.patches)
+        layout = series.layout()
+        assert layout.lost == (), fork.name
+        assert format_layout(arrange(layout, layout.names)) == series.series_file.read_text(), fork.name
+        assert all(g.topic for g in layout.groups), f"{fork.name}: every patch is under a topic"
