@@ -177,10 +177,12 @@ profiles = ["npu"]
 """
 
 
-def make_project(tmp_path: Path, upstream: Upstream, url: str | None = None) -> Project:
+def make_project(tmp_path: Path, upstream: Upstream, url: str | None = None,
+                 files: dict[str, str] | None = None) -> Project:
+    """The superproject; its sdist demo-1.0 holds `files` (default V1_FILES), which should equal upstream's v1."""
     root = tmp_path / "project"
     dist = tmp_path / "dists"
-    sdist = make_sdist(dist)
+    sdist = make_sdist(dist, files=files)
     (root / "third_party" / "patches" / "demo").mkdir(parents=True)
     url = url or str(upstream.bare)
     (root / "third_party" / "forks.toml").write_text(
@@ -200,12 +202,13 @@ def project(tmp_path, upstream) -> Project:
     return make_project(tmp_path, upstream)
 
 
-def commit_series(project: Project) -> list[str]:
-    """Sync, apply the empty series, commit the three patches on the branch and export them."""
-    assert project.cli("sync", "demo", "--source", "git") == 0
+def commit_series(project: Project, patches: list[tuple[str, dict[str, str], str]] = PATCHES,
+                  source: str = "git") -> list[str]:
+    """Sync (from git, or the PyPI sdist), apply the empty series, commit the patches on the branch, export them."""
+    assert project.cli("sync", "demo", "--source", source, "--find-links", str(project.dist)) == 0
     assert project.cli("apply", "demo") == 0
-    for i, (subject, files, body) in enumerate(PATCHES):
-        commit(project.fork, files, subject, body, date=f"2025-03-0{i + 1}T00:00:00Z")
+    for i, (subject, files, body) in enumerate(patches):
+        commit(project.fork, files, subject, body, date=f"2025-03-{i + 1:02d}T00:00:00Z")
     assert project.cli("export", "demo") == 0
     return (project.patches / "series").read_text().split("\n")
 

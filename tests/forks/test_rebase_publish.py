@@ -16,14 +16,16 @@ def _gitlink(p):
     return git(p.root, "ls-files", "--stage", "third_party/demo").split()[1]
 
 
-def test_rebase_dry_run_lists_drops_and_changes_nothing(with_series, capsys):
+def test_rebase_dry_run_reports_what_the_rebase_meets_and_changes_nothing(with_series, capsys):
     p = with_series
     tip = git(p.fork, "rev-parse", "recipe/demo")
-    assert p.cli("rebase", "demo", "--onto", "v2", "--dry-run") == 0
-    out = capsys.readouterr().out
-    assert "drop fix-typo-in-helper.patch (already upstream" in out
-    assert "replay raise-the-default-batch.patch" in out
+    assert p.cli("rebase", "demo", "--onto", "v2", "--dry-run") == 1  # the batch patch conflicts
+    assert "clean 1, 3-way merged 0, conflict 1, already upstream 1" in capsys.readouterr().out
+    report = (p.patches / "REBASE-v1-v2.md").read_text()
+    assert "| 2 | fix-typo-in-helper.patch | already upstream | as " in report
+    assert "| 3 | raise-the-default-batch.patch | conflict | config.py: @@ " in report
     assert git(p.fork, "rev-parse", "recipe/demo") == tip
+    assert p.cli("rebase", "demo", "--onto", "v2") == 3, "the rebase itself meets the conflict the dry run saw"
 
 
 def test_rebase_stops_on_conflict_and_abort_restores(with_series, capsys):

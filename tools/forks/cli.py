@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.forks import git, ops
+from tools.forks import git, ops, rehearsal, sources
 from tools.forks import rebase as rebase_mod
 from tools.forks import series as series_mod
 from tools.forks.manifest import PROFILES, ManifestError, find_root, load
@@ -72,10 +72,7 @@ def parser() -> argparse.ArgumentParser:
     _fork_args(p)
     p.add_argument("--source", choices=("auto", "git", "pypi"), default="auto")
     p.add_argument("--force", action="store_true", help="replace a tree that is already present")
-    p.add_argument("--index-url", action="append", default=[], metavar="URL",
-                   help="simple index to search (repeatable; default $PIP_INDEX_URL or PyPI)")
-    p.add_argument("--find-links", action="append", default=[], type=Path, metavar="DIR",
-                   help="folder holding distribution files, searched before any index (repeatable)")
+    _index_args(p)
     p.add_argument("--dry-run", action="store_true", help="say what would be synced and from where")
 
     p = add("apply", "Replay each series onto its pin as branch recipe/<fork> (git am -3).",
@@ -115,17 +112,36 @@ def parser() -> argparse.ArgumentParser:
     _fork_args(p)
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest, after --")
 
-    p = add("rebase", "Replay a fork's series onto a new upstream tag or commit.",
+    p = add("rebase", "Replay a fork's series onto a new upstream tag, commit or PyPI release.",
             "Patches already upstream (same git patch-id, or emptied by the replay) are dropped and\n"
             "reported. On a conflict it stops, naming the patch and files: resolve, `git add`, then\n"
             "--continue, or --abort. On success it re-exports the series, moves the pin in\n"
-            "forks.toml and the gitlink, and writes third_party/patches/<fork>/REBASE-<from>-<to>.md.")
+            "forks.toml and the gitlink, and writes third_party/patches/<fork>/REBASE-<from>-<to>.md.\n"
+            "\n"
+            "--dry-run shows the whole cost and changes nothing in the fork: it replays the full series\n"
+            "in a scratch repository and gives every patch one result: clean (applies as it stands),\n"
+            "3-way merged, conflict (files and hunks; the patch is left out and the replay goes on,\n"
+            "naming the later patches that need it: those that do not apply at the pin without it),\n"
+            "or already upstream. The table is printed and written as a draft of the REBASE report.\n"
+            "It exits 1 when a patch conflicts (a check that found problems; nothing stopped).\n"
+            "\n"
+            "Without the git history (CI, firewalled sites), name a PyPI release as NAME==VERSION, for\n"
+            "forks with a `pypi` source in forks.toml: the pinned and the target sdist are laid out as\n"
+            "`sync` lays them out and committed, pin then target, in the scratch repository; the dry run\n"
+            "replays onto that and its report says both trees are PyPI-derived. Only --dry-run takes a\n"
+            "release: the rebase itself needs the release's git commit for the pin.\n"
+            "\n"
+            "  python -m tools.forks rebase verl --onto v0.5.0 --dry-run\n"
+            "  python -m tools.forks rebase verl --onto verl==0.5.0 --dry-run --find-links ./dists\n"
+            "  python -m tools.forks rebase verl --onto v0.5.0")
     _fork_args(p, nargs=1)
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--onto", metavar="REF", help="new upstream tag or commit")
+    mode.add_argument("--onto", metavar="REF", help="new upstream tag or commit, or (with --dry-run) NAME==VERSION")
     mode.add_argument("--continue", dest="resume", action="store_true", help="go on after resolving")
     mode.add_argument("--abort", action="store_true", help="drop the replay, leave everything as before")
-    p.add_argument("--dry-run", action="store_true", help="with --onto: list which patches would drop")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --onto: replay the whole series in a scratch repository and report each patch")
+    _index_args(p, "for --onto NAME==VERSION: ")
 
     p = add("pins", "Print the pins as the Markdown table the README carries (a test keeps them equal).")
     _fork_args(p)
@@ -138,6 +154,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite the remote branch (after a rebase)")
     p.add_argument("--dry-run", action="store_true", help="print the steps only")
     return top
+
+
+def _index_args(p: argparse.ArgumentParser, purpose: str = "") -> None:
+    p.add_argument("--index-url", action="append", default=[], metavar="URL",
+                   help=f"{purpose}simple index to search (repeatable; default $PIP_INDEX_URL or PyPI)")
+    p.add_argument("--find-links", action="append", default=[], type=Path, metavar="DIR",
+                   help=f"{purpose}folder holding distribution files, searched before any index (repeatable)")
+
+
+def _indexes(args) -> list[str]:
+    return args.index_url or [os.environ.get("PIP_INDEX_URL") or sources.DEFAULT_INDEX]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,13 +200,36 @@ def cmd_status(args, manifest, forks) -> int:
         row, ok = _status_row(manifest.root, fork)
         rows.append(row)
         off += not ok
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    _print_plain(rows)
     problems = ops.gitlink_problems(manifest)
     for problem in problems:
         print(f"superproject: {problem}")
     return EXIT_CHECK if args.check and (off or problems) else EXIT_OK
+
+
+def _print_plain(rows: list[tuple[str, ...]]) -> None:
+    """Rows (the first one the header) as left-aligned columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _print_table(title: str, rows: list[tuple[str, ...]]) -> None:
+    """A rich table where rich is installed (tools.forks runs before anything is), else plain columns."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:
+        print(title)
+        _print_plain(rows)
+        return
+    table = Table(title=title, title_justify="left")
+    for name in rows[0]:
+        table.add_column(name, overflow="fold")
+    for row in rows[1:]:
+        table.add_row(*(Text(cell) for cell in row))  # Text: a `[...]` in a hunk header is not markup
+    Console(highlight=False).print(table)
 
 
 def _status_row(root: Path, fork) -> tuple[tuple[str, ...], bool]:
@@ -211,7 +261,7 @@ def _status_row(root: Path, fork) -> tuple[tuple[str, ...], bool]:
 
 
 def cmd_sync(args, manifest, forks) -> int:
-    indexes = args.index_url or [os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"]
+    indexes = _indexes(args)
     failed = 0
     for fork in forks:
         if args.source == "pypi" and fork.pypi is None:
@@ -324,7 +374,12 @@ def cmd_rebase(args, manifest, forks) -> int:
     elif args.resume:
         print(rebase_mod.resume(root, fork))
     elif args.dry_run:
-        print("\n".join(rebase_mod.plan(root, fork, args.onto)))
+        result = rehearsal.rehearse(root, fork, args.onto, _indexes(args), args.find_links)
+        path = rehearsal.write_report(root, fork, result)
+        _print_table(f"{fork.name}: dry run of a rebase from {result.old.ref} to {result.new.ref}",
+                     [rehearsal.COLUMNS, *result.rows(hunks=False)])  # the report lists the hunks
+        print(f"{fork.name}: {result.summary()}; draft report {path.relative_to(root)}")
+        return EXIT_CHECK if result.conflicted else EXIT_OK
     else:
         print(rebase_mod.start(root, fork, args.onto))
     return EXIT_OK

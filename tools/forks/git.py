@@ -158,6 +158,18 @@ def git_dir(repo: Path) -> Path:
     return Path(out(repo, "rev-parse", "--absolute-git-dir"))
 
 
+def init_borrowing(dest: Path, lender: Path | None = None) -> None:
+    """A new repository at `dest`, without hooks, that reads `lender`'s objects (git's alternates) and writes
+    only its own: nothing done in it changes `lender`."""
+    run(dest.parent, "init", "--quiet", "--template=", str(dest))
+    set_config(dest, "core.autocrlf", "false")
+    if lender is not None:
+        objects = out(lender, "rev-parse", "--path-format=absolute", "--git-path", "objects")
+        info = git_dir(dest) / "objects" / "info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "alternates").write_text(objects + "\n", encoding="utf-8")
+
+
 def am_in_progress(repo: Path) -> bool:
     return (git_dir(repo) / "rebase-apply").is_dir()
 

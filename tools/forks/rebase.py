@@ -3,6 +3,7 @@
 The replay runs on a scratch branch (`recipe/<fork>-rebase`); `recipe/<fork>`, the series, the pin
 and the gitlink change only once every patch is through. A conflict stops the replay with its state
 in `<git dir>/recipe-rebase.json`, to be resumed with `--continue` or undone with `--abort`.
+`--dry-run` is `tools.forks.rehearsal`: the whole replay in a scratch repository.
 """
 
 from __future__ import annotations
@@ -30,22 +31,17 @@ def _scratch(fork: Fork) -> str:
     return f"{fork.branch}-rebase"
 
 
-def plan(root: Path, fork: Fork, onto: str) -> list[str]:
-    """What `start` would do, patch by patch, without touching anything (for --dry-run)."""
-    st = ops.state(root, fork)
-    ops._require_present(st)
-    new_base = git.resolve(st.path, onto) or _fetch(st.path, fork, onto)
-    upstream = git.patch_ids_of_range(st.path, f"{st.base}..{new_base}")
-    lines = [f"{fork.name}: {fork.ref} ({st.base[:12]}) -> {onto} ({new_base[:12]})"]
-    for path in st.series.paths():
-        landed = upstream.get(git.patch_id(st.path, path.read_text(encoding="utf-8")) or "")
-        lines.append(f"  {'drop' if landed else 'replay'} {path.name}"
-                     + (f" (already upstream as {landed[:12]})" if landed else ""))
-    return lines
+def is_release(onto: str) -> bool:
+    """`--onto NAME==VERSION` names a PyPI release; anything else, a git tag or commit."""
+    return "==" in onto
 
 
 def start(root: Path, fork: Fork, onto: str) -> str:
     st = ops.state(root, fork)
+    if is_release(onto):
+        raise ops.ForkError(f"{fork.name}: --onto {onto} is a PyPI release, which names no upstream commit for"
+                            f" forks.toml to pin. See its cost with --dry-run; rebase onto the release's git tag"
+                            f" (through a mirror: `git config url.<mirror>.insteadOf {fork.url}`)")
     ops._require_present(st)
     if st.source != "git":
         raise ops.ForkError(f"{fork.name}: rebase needs the upstream history; this tree is {st.source}."
@@ -81,7 +77,7 @@ def _fetch(repo: Path, fork: Fork, onto: str) -> str:
         sha = git.resolve(repo, onto) or (git.resolve(repo, "FETCH_HEAD") if proc.returncode == 0 else None)
         if sha:
             return sha
-    raise ops.ForkError(f"{fork.name}: {onto!r} is neither a commit in {repo} nor fetchable from"
+    raise ops.ForkError(f"{fork.name}: {onto!r} is neither a commit in {fork.path} nor fetchable from"
                         f" {fork.url}; fetch it there first or name a tag or commit that exists")
 
 
@@ -181,12 +177,11 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict) -> str:
     moved = manifest_mod.load(root).forks[fork.name]
     ops.set_gitlink(root, fork, data["to"])
     ops.export(root, moved)
-    report = _report(fork, data, changed, range_diff)
-    report_path = root / fork.patches / f"REBASE-{_label(data['from_ref'])}-{_label(data['to_ref'])}.md"
-    report_path.write_text(report, encoding="utf-8")
+    report = report_path(root, fork, data["from_ref"], data["to_ref"])
+    report.write_text(_report(fork, data, changed, range_diff), encoding="utf-8")
     _state_path(repo).unlink(missing_ok=True)
     summary = (f"rebased {fork.name} onto {data['to_ref']} ({data['to'][:12]}): kept {len(data['kept'])},"
-               f" dropped {len(data['dropped'])}, changed {len(changed)}; report {report_path.relative_to(root)}")
+               f" dropped {len(data['dropped'])}, changed {len(changed)}; report {report.relative_to(root)}")
     if fork.pypi:
         summary += (f"\nnote: forks.{fork.name}.pypi still names {fork.pypi.requirement}, the old pin's"
                     " distribution: set requirement, file and sha256 for the new release, or remove it")
@@ -205,6 +200,11 @@ def _changed(repo: Path, data: dict) -> list[str]:
         if before != after:
             changed.append(name)
     return changed
+
+
+def report_path(root: Path, fork: Fork, from_ref: str, to_ref: str) -> Path:
+    """Where a rebase (and the draft of its dry run) reports."""
+    return root / fork.patches / f"REBASE-{_label(from_ref)}-{_label(to_ref)}.md"
 
 
 def _label(ref: str) -> str:

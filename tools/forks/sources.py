@@ -19,11 +19,12 @@ import tempfile
 import urllib.parse
 import urllib.request
 import zipfile
+from dataclasses import replace
 from email.parser import Parser
 from pathlib import Path
 
 from tools.forks import git
-from tools.forks.manifest import Fork
+from tools.forks.manifest import Fork, PyPISource
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 PYPI_IDENTITY = {
@@ -146,30 +147,100 @@ def find_distribution(fork: Fork, index_urls: list[str], find_links: list[Path])
             return str(candidate)
     tried = []
     for index in index_urls:
-        page = f"{index.rstrip('/')}/{_normalize(pin.name)}/"
+        page, files = _listing(index, pin.name)
         tried.append(page)
-        try:
-            request = urllib.request.Request(
-                page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"}
-            )
-            with urllib.request.urlopen(request, timeout=60) as resp:
-                body = resp.read().decode("utf-8")
-                kind = resp.headers.get("Content-Type", "")
-        except (OSError, ValueError):
-            continue
-        if "json" in kind:
-            files = {f["filename"]: f["url"] for f in json.loads(body).get("files", [])}
-        else:
-            parser = _Links()
-            parser.feed(body)
-            files = parser.links
         if pin.file in files:
-            return urllib.parse.urljoin(page, files[pin.file])
+            return files[pin.file]
     raise SourceError(
         f"{fork.name}: {pin.file} ({pin.requirement}) not found; tried"
         f" {', '.join(map(str, find_links)) or 'no find-links folder'} and {', '.join(tried)}\n"
         "  fix: pass --index-url for a reachable index or --find-links DIR holding that file"
     )
+
+
+def _listing(index: str, project: str) -> tuple[str, dict[str, str]]:
+    """(page, file name -> URL) of a project on a PEP 503/691 simple index; no files when unreachable.
+
+    A URL carries the index's sha256 as a `#sha256=` fragment where the index gives one.
+    """
+    page = f"{index.rstrip('/')}/{_normalize(project)}/"
+    try:
+        request = urllib.request.Request(
+            page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            body = resp.read().decode("utf-8")
+            kind = resp.headers.get("Content-Type", "")
+    except (OSError, ValueError):
+        return page, {}
+    if "json" in kind:
+        links = {}
+        for f in json.loads(body).get("files", []):
+            sha = f.get("hashes", {}).get("sha256")
+            links[f["filename"]] = f["url"] + (f"#sha256={sha}" if sha else "")
+    else:
+        parser = _Links()
+        parser.feed(body)
+        links = parser.links
+    return page, {name: urllib.parse.urljoin(page, href) for name, href in links.items()}
+
+
+def find_release(fork: Fork, requirement: str, index_urls: list[str],
+                 find_links: list[Path]) -> tuple[PyPISource, str]:
+    """The sdist of `requirement` (a release of the fork's distribution) and where it is: find-links folders
+    first, then each index. Its sha256 is the index's; a find-links file is taken as it is."""
+    from packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename
+
+    assert fork.pypi is not None
+    version = _release_version(fork, requirement)
+
+    def release(file_name: str) -> PyPISource | None:
+        try:
+            name, found = parse_sdist_filename(file_name)
+        except InvalidSdistFilename:
+            return None
+        same = canonicalize_name(name) == canonicalize_name(fork.pypi.name) and found == version
+        return PyPISource(f"{fork.pypi.name}=={found}", file_name, "") if same else None
+
+    for folder in find_links:
+        for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+            if (pin := release(path.name)) and path.is_file():
+                return replace(pin, sha256=_sha256(path)), str(path)
+    tried = []
+    for index in index_urls:
+        page, files = _listing(index, fork.pypi.name)
+        tried.append(page)
+        for file_name, url in files.items():
+            if pin := release(file_name):
+                fragment = urllib.parse.urldefrag(url).fragment
+                if not fragment.startswith("sha256="):
+                    raise SourceError(f"{fork.name}: {page} gives no sha256 for {file_name}; download it yourself"
+                                      " and pass --find-links DIR holding it")
+                return replace(pin, sha256=fragment.removeprefix("sha256=")), url
+    raise SourceError(
+        f"{fork.name}: no sdist of {requirement} found; tried"
+        f" {', '.join(map(str, find_links)) or 'no find-links folder'} and {', '.join(tried)}\n"
+        "  fix: check the version, or pass --index-url for a reachable index or --find-links DIR holding its sdist"
+    )
+
+
+def _release_version(fork: Fork, requirement: str):
+    """The version of `name==version`, where name is the fork's distribution on the index."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    assert fork.pypi is not None
+    try:
+        req = Requirement(requirement)
+        specs = list(req.specifier)
+    except InvalidRequirement:
+        req, specs = None, []
+    if (req is None or len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version
+            or canonicalize_name(req.name) != canonicalize_name(fork.pypi.name)):
+        raise SourceError(f"{fork.name}: {requirement!r} is not a release of {fork.pypi.name} (the distribution"
+                          f" forks.{fork.name}.pypi names); write it as {fork.pypi.name}==<version>")
+    return Version(specs[0].version)
 
 
 def download(fork: Fork, location: str, progress: bool = True) -> Path:
@@ -193,8 +264,8 @@ def download(fork: Fork, location: str, progress: bool = True) -> Path:
         digest = _sha256(Path(tmp))
         if digest != pin.sha256:
             raise SourceError(
-                f"{fork.name}: {pin.file} from {location} has sha256 {digest}, forks.toml pins"
-                f" {pin.sha256}; the index serves a different file, refusing it"
+                f"{fork.name}: {pin.file} from {location} has sha256 {digest}, not the {pin.sha256} of"
+                f" {pin.requirement}; the index serves a different file, refusing it"
             )
         os.replace(tmp, cached)
     finally:
@@ -246,7 +317,7 @@ def unpack(fork: Fork, archive: Path, dest: Path) -> None:
                     tf.extract(m, dest, filter="data")
     if version != pin.version:
         raise SourceError(
-            f"{fork.name}: {archive.name} says version {version!r}, forks.toml pins {pin.version}"
+            f"{fork.name}: {archive.name} says version {version!r}, not the {pin.version} of {pin.requirement}"
         )
 
 
@@ -279,16 +350,42 @@ def _commit_tree(repo: Path, fork: Fork, archive: Path) -> None:
     # they are not upstream sources and an editable install rewrites them.
     exclude_build_outputs(repo)
     git.run(repo, "add", "--all", ".")
-    message = (
-        f"PyPI-derived tree of {pin.requirement} ({pin.file})\n\n"
-        f"Not upstream commit {fork.commit} ({fork.ref}): the files of the {pin.file} distribution"
-        f" (sha256 {pin.sha256}), laid out as in the upstream repository.\n"
-        + (f"\n{pin.note}\n" if pin.note else "")
-        + f"\n{SOURCE_TRAILER}\nUpstream-Commit: {fork.commit}\n"
-    )
-    git.run(repo, "commit", "--quiet", "--no-verify", "-F", "-", input=message, env=PYPI_IDENTITY,
-            config=git.NO_SIGNING)
+    git.run(repo, "commit", "--quiet", "--no-verify", "-F", "-", input=_message(fork, pinned=True),
+            env=PYPI_IDENTITY, config=git.NO_SIGNING)
     git.run(repo, "tag", fork.ref, config=git.NO_SIGNING)
     git.set_config(repo, "recipe.source", "pypi")
     git.set_config(repo, "recipe.base", git.out(repo, "rev-parse", "HEAD"))
     git.set_config(repo, "recipe.upstream-commit", fork.commit)
+
+
+def _message(fork: Fork, pinned: bool) -> str:
+    """What a PyPI-derived commit says it is; `pinned`: fork.pypi is the pin's file, standing in for fork.commit."""
+    pin = fork.pypi
+    assert pin is not None
+    instead = f"Not upstream commit {fork.commit} ({fork.ref})" if pinned else "Not an upstream commit"
+    return (
+        f"PyPI-derived tree of {pin.requirement} ({pin.file})\n\n"
+        f"{instead}: the files of the {pin.file} distribution"
+        f" (sha256 {pin.sha256}), laid out as in the upstream repository.\n"
+        + (f"\n{pin.note}\n" if pin.note else "")
+        + f"\n{SOURCE_TRAILER}\n" + (f"Upstream-Commit: {fork.commit}\n" if pinned else "")
+    )
+
+
+def commit_distribution(repo: Path, fork: Fork, archive: Path, parent: str | None, pinned: bool) -> str:
+    """Commit fork.pypi's distribution, laid out as `sync` does, on `parent` in `repo`; returns the commit.
+
+    Built in a scratch index from a scratch folder: the repository's own index, work tree and refs stay as
+    they are. The pin's distribution (`pinned`) as a root commit gives the very commit `sync` makes.
+    """
+    exclude_build_outputs(repo)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = Path(tmp, "files")
+        unpack(fork, archive, files)
+        env = {"GIT_DIR": str(git.git_dir(repo)), "GIT_WORK_TREE": str(files),
+               "GIT_INDEX_FILE": str(Path(tmp, "index"))}
+        git.run(files, "add", "--all", ".", env=env)
+        tree = git.out(files, "write-tree", env=env)
+    parents = ("-p", parent) if parent else ()
+    return git.out(repo, "commit-tree", tree, *parents, "-F", "-", input=_message(fork, pinned), env=PYPI_IDENTITY,
+                   config=git.NO_SIGNING)
