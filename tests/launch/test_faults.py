@@ -239,3 +239,18 @@ def test_a_failed_trainer_is_reported_by_its_last_error_line(tmp_path):
                    "(WorkerDict pid=7) OSError: [Errno 28] No space left on device\n")
     assert run.last_error(log) == "OSError: [Errno 28] No space left on device"
     assert run.last_error(tmp_path / "absent.log") is None
+
+
+def test_a_full_checkpoint_disk_is_named_with_the_room_left(tmp_path, monkeypatch):
+    """A save cut off by a full disk shows in a rank as "unexpected pos" or a crash: the launcher looks at the disk."""
+    import shutil
+
+    ckpt = tmp_path / "checkpoints" / "run"  # not made yet: the nearest existing parent's filesystem is asked
+    free = shutil.disk_usage(tmp_path).free
+    assert run.disk_full(ckpt, checkpoint_bytes=free // 2) is None
+    message = run.disk_full(ckpt, checkpoint_bytes=free * 2)
+    assert message.startswith(f"The checkpoint filesystem is full: {ckpt} has ") and "free space there" in message
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(40_000_000, 39_990_000, 10_000))
+    assert run.disk_full(ckpt, 25_700_000) == (
+        f"The checkpoint filesystem is full: {ckpt} has 0.0 MB free of 40.0 MB, one checkpoint takes 25.7 MB:"
+        " free space there before continuing")

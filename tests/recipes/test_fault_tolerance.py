@@ -271,7 +271,7 @@ def disk_finished(disk_full, head_killed):
 def test_a_full_disk_fails_the_run_with_the_error_and_leaves_the_last_checkpoint(disk_full, small_disk):
     out = disk_full["out"]
     assert disk_full["rc"] == 2, out[-3000:]
-    assert "No space left on device" in out and "Last complete checkpoint: step 1 (" in out, out[-3000:]
+    assert "The checkpoint filesystem is full: " in out and "Last complete checkpoint: step 1 (" in out, out[-3000:]
     assert resume.tracked_step(small_disk / "disk") == 1, "the tracker never names the save the disk cut off"
     assert "processes of the run left after Ray stopped: 0" in out
 

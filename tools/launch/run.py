@@ -237,15 +237,35 @@ def _watch(pl: plan.Plan, seen: list, say) -> faults.Fault | None:
 
 
 def failure(p: Prepared, fault: faults.Fault | None) -> str:
-    """What failed, the checkpoint a resume would continue from, and the command."""
+    """What failed (the dead rank, the trainer's last error, a full checkpoint disk), the checkpoint a resume
+    would continue from, and the command."""
     log = p.plan.run_dir / "trainer.log"
-    what = fault.message() if fault else f"the trainer failed: {last_error(log) or 'no error line'} (see {log})"
+    error = last_error(log)
+    what = (fault.message() + (f"; the trainer's last error: {error}" if error else "") if fault
+            else f"the trainer failed: {error or 'no error line'} (see {log})")
     found = resume.latest(checkpoint_dir(p))
+    full = disk_full(checkpoint_dir(p), found.nbytes if found else 0)
+    if full:
+        what += f". {full}"
     if found is None:
         return (f"error: {what}. No complete checkpoint was saved (trainer.save_freq"
                 f" {config.value(p.recipe.cfg, 'trainer.save_freq')}): rerun from the start")
     return (f"error: {what}. Last complete checkpoint: {found.describe()}. Continue the run with:\n"
             f"  {resume_command(p)}")
+
+
+def disk_full(ckpt_dir: Path, checkpoint_bytes: int) -> str | None:
+    """A sentence when the checkpoint directory's filesystem has less room than one more checkpoint (a save cut
+    off by a full disk surfaces in a rank as a write error or a crash, seldom as ENOSPC itself)."""
+    where = next((d for d in (ckpt_dir, *ckpt_dir.parents) if d.exists()), None)
+    if where is None or checkpoint_bytes <= 0:
+        return None
+    usage = shutil.disk_usage(where)
+    if usage.free >= checkpoint_bytes:
+        return None
+    return (f"The checkpoint filesystem is full: {ckpt_dir} has {usage.free / 1e6:.1f} MB free of"
+            f" {usage.total / 1e6:.1f} MB, one checkpoint takes {checkpoint_bytes / 1e6:.1f} MB: free space there"
+            " before continuing")
 
 
 LEFTOVER_GRACE_S = 20.0  # Ray's workers exit by themselves within seconds of their raylet
