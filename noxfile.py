@@ -42,6 +42,13 @@ def forks(session: nox.Session) -> None:
     session.run(sys.executable, "-m", "tools.forks", *(session.posargs or ["status"]), external=True)
 
 
+@nox.session(python=False, default=False, name="upgrade-report")
+def upgrade_report(session: nox.Session) -> None:
+    """Try each fork's series on its next upstream releases; write third_party/patches/UPGRADE.md (args go to
+    `python -m tools.forks upgrade-report`, e.g. `-- --render-only`)."""
+    session.run(sys.executable, "-m", "tools.forks", "upgrade-report", *session.posargs, external=True)
+
+
 # The tests run inside the cpu profile of the stack (torch, Megatron-core, verl, vLLM from our forks),
 # kept apart from the user's own .venv; installing it is a no-op when nothing changed.
 TEST_STACK = ".nox/stack-cpu"

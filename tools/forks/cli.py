@@ -6,9 +6,12 @@ import argparse
 import os
 import subprocess
 import sys
+import textwrap
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
-from tools.forks import git, ops, rehearsal, sources
+from tools.forks import git, ops, rehearsal, sources, upgrade
 from tools.forks import rebase as rebase_mod
 from tools.forks import series as series_mod
 from tools.forks.manifest import PROFILES, ManifestError, find_root, load
@@ -29,6 +32,7 @@ file, and as commits on the branch recipe/<fork> inside the submodule. Typical u
   python -m tools.forks export verl     # branch -> series; review `git diff third_party/patches`
   python -m tools.forks series verl     # the series' topics with their patch counts
   python -m tools.forks rebase verl --onto v0.5.0
+  python -m tools.forks upgrade-report  # every fork's series on its next releases
 
 Exit codes: 0 ok, 1 a check found problems, 2 an operation failed, 3 a rebase stopped on a conflict.
 """
@@ -142,6 +146,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="with --onto: replay the whole series in a scratch repository and report each patch")
     _index_args(p, "for --onto NAME==VERSION: ")
+
+    rule = textwrap.fill(
+        f"Targets, per fork: {upgrade.RULE.format(minors='N')} (N: --minors, default {upgrade.DEFAULT_MINORS})."
+        " So a pin 0.9.1 gives 0.9.2 (its final, else its newest pre-release) and the newest final (else"
+        " pre-release) of 0.10, of 0.11 and of 0.12. Release names come from the fork's git tags where its tree"
+        " is a git checkout at the pin, else from its PyPI sdists (targets NAME==VERSION), else from the tags at"
+        " its url. forks.toml's release_tags maps tag names to versions (\"v{version}\" unless given,"
+        " \"core_v{version}\" for Megatron); the pin's version is its ref read so, or its `release`.", 95)
+    p = add("upgrade-report", "Try every series on its fork's next upstream releases; write UPGRADE.md.",
+            rule + "\n\n"
+            "Each target is `rebase <fork> --onto <target> --dry-run`'s replay in a scratch repository\n"
+            "(nothing changes): clean / 3-way / conflict / already upstream per patch. A target that\n"
+            "cannot be reached is a row saying why; a fork without patches gets rows that name its\n"
+            "releases. Results go to third_party/patches/upgrade.json (the forks run replace their\n"
+            "rows, the others stay), and UPGRADE.md is rendered from that file alone: --render-only\n"
+            "renders it again without network or sources. Exits 0 once both are written.\n"
+            "\n"
+            "  python -m tools.forks upgrade-report\n"
+            "  python -m tools.forks upgrade-report verl --minors 1\n"
+            "  python -m tools.forks upgrade-report --targets vllm-ascend=+v0.10.0rc1 --targets vllm=vllm==0.10.1\n"
+            "  python -m tools.forks upgrade-report --render-only")
+    _fork_args(p)
+    p.add_argument("--minors", type=int, default=upgrade.DEFAULT_MINORS, metavar="N",
+                   help=f"how many minor series after the pin's to try (default {upgrade.DEFAULT_MINORS})")
+    p.add_argument("--targets", action="append", default=[], metavar="FORK=REF,...",
+                   help="this fork's targets instead of the rule's; FORK=+REF,... adds them to the rule's"
+                        " (repeatable; REF: tag, commit or NAME==VERSION)")
+    p.add_argument("--render-only", action="store_true",
+                   help="render UPGRADE.md from upgrade.json; no network, no sources")
+    _index_args(p, "for PyPI releases: ")
 
     p = add("pins", "Print the pins as the Markdown table the README carries (a test keeps them equal).")
     _fork_args(p)
@@ -385,6 +419,42 @@ def cmd_rebase(args, manifest, forks) -> int:
     return EXIT_OK
 
 
+def cmd_upgrade_report(args, manifest, forks) -> int:
+    root = manifest.root
+    if args.render_only:
+        doc = upgrade.render_only(root)
+    else:
+        plans = upgrade.plans(root, forks, args.minors, args.targets, _indexes(args), args.find_links)
+        for p in plans:
+            if p.error:
+                print(f"{p.fork.name}: no targets: {p.error}", file=sys.stderr)
+        today = datetime.now(UTC).date().isoformat()
+        entries = upgrade.run(root, plans, _indexes(args), args.find_links, today, _track)
+        doc = upgrade.write(manifest, entries)
+    _print_table("cheapest move per fork (fewest conflicts)",
+                 [("fork", "pin", "target", "conflicts", "dropped"), *upgrade.cheapest(doc)])
+    print(f"wrote {upgrade.REPORT_PATH}" + ("" if args.render_only else f" and {upgrade.JSON_PATH}"))
+    return EXIT_OK
+
+
+def _track(jobs: list, label) -> Iterator:
+    """A progress bar over the targets (rich where installed, else one line per target)."""
+    try:
+        from rich.console import Console
+        from rich.progress import Progress
+    except ImportError:
+        for i, job in enumerate(jobs, 1):
+            print(f"[{i}/{len(jobs)}] {label(job)}", flush=True)
+            yield job
+        return
+    with Progress(console=Console(stderr=True)) as progress:
+        bar = progress.add_task("targets", total=len(jobs))
+        for job in jobs:
+            progress.update(bar, description=label(job))
+            yield job
+            progress.advance(bar)
+
+
 def cmd_publish(args, manifest, forks) -> int:
     steps = ops.publish(manifest.root, forks[0], args.remote, force=args.force, dry_run=args.dry_run)
     print("\n".join(("would: " if args.dry_run else "done: ") + s for s in steps))
@@ -417,4 +487,5 @@ COMMANDS = {
     "test": cmd_test,
     "rebase": cmd_rebase,
     "publish": cmd_publish,
+    "upgrade-report": cmd_upgrade_report,
 }

@@ -170,6 +170,17 @@ def init_borrowing(dest: Path, lender: Path | None = None) -> None:
         (info / "alternates").write_text(objects + "\n", encoding="utf-8")
 
 
+def tags(repo: Path) -> list[str]:
+    """Names of the tags in `repo`."""
+    return out(repo, "tag", "--list").split()
+
+
+def remote_tags(cwd: Path, url: str, config: tuple[str, ...] = ()) -> list[str]:
+    """Names of the tags at `url` (url.<base>.insteadOf honoured), without cloning it."""
+    listing = out(cwd, "ls-remote", "--tags", "--refs", url, config=config)
+    return [line.split("refs/tags/", 1)[1] for line in listing.splitlines() if "refs/tags/" in line]
+
+
 def am_in_progress(repo: Path) -> bool:
     return (git_dir(repo) / "rebase-apply").is_dir()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 MANIFEST = Path("third_party/forks.toml")
 PROFILES = ("npu", "cuda", "cpu")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
+RELEASE_TAGS = "v{version}"
 
 
 class ManifestError(ValueError):
@@ -56,6 +57,8 @@ class Fork:
     pypi: PyPISource | None = None
     published_url: str | None = None
     published_commit: str | None = None
+    release_tags: str = RELEASE_TAGS  # upstream's release tag names, {version} standing for the version
+    release: str | None = None  # the release the pin follows, where `ref` is not a release tag
 
     @property
     def branch(self) -> str:
@@ -145,6 +148,14 @@ def _fork(name: str, t: dict) -> Fork:
             f"forks.{name}.test_profiles: {test_profiles!r} must list every profile of `profiles`"
             f" ({list(profiles)}), plus those of {list(PROFILES)} whose tests run from the source tree"
         )
+    release_tags = t.get("release_tags", RELEASE_TAGS)
+    if not isinstance(release_tags, str) or release_tags.count("{version}") != 1:
+        raise ManifestError(f"forks.{name}.release_tags: {release_tags!r} must hold `{{version}}` once, where the"
+                            " tag names the version (e.g. \"core_v{version}\" for core_v0.13.1)")
+    release = t.get("release")
+    if release is not None and not isinstance(release, str):
+        raise ManifestError(f"forks.{name}.release: {release!r} is not a string; quote the version, e.g."
+                            " release = \"2.1.0\"")
     pypi = None
     if "pypi" in t:
         p = t["pypi"]
@@ -168,6 +179,8 @@ def _fork(name: str, t: dict) -> Fork:
         pypi=pypi,
         published_url=t.get("published_url"),
         published_commit=t.get("published_commit"),
+        release_tags=release_tags,
+        release=release,
     )
 
 

@@ -255,9 +255,17 @@ def report(r: Rehearsal) -> str:
 def write_report(root: Path, fork: Fork, r: Rehearsal) -> Path:
     """Write the draft where `rebase` writes its report (temp file + rename); returns the path."""
     path = rebase.report_path(root, fork, r.old.ref, r.new.ref)
+    replace_file(path, report(r))
+    return path
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temp file and a rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(report(r))
+        handle.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the report is for everyone, as `open` would make it
     os.replace(tmp, path)
-    return path

@@ -189,18 +189,12 @@ def find_release(fork: Fork, requirement: str, index_urls: list[str],
                  find_links: list[Path]) -> tuple[PyPISource, str]:
     """The sdist of `requirement` (a release of the fork's distribution) and where it is: find-links folders
     first, then each index. Its sha256 is the index's; a find-links file is taken as it is."""
-    from packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename
-
     assert fork.pypi is not None
     version = _release_version(fork, requirement)
 
     def release(file_name: str) -> PyPISource | None:
-        try:
-            name, found = parse_sdist_filename(file_name)
-        except InvalidSdistFilename:
-            return None
-        same = canonicalize_name(name) == canonicalize_name(fork.pypi.name) and found == version
-        return PyPISource(f"{fork.pypi.name}=={found}", file_name, "") if same else None
+        same = _sdist_version(fork, file_name) == version
+        return PyPISource(f"{fork.pypi.name}=={version}", file_name, "") if same else None
 
     for folder in find_links:
         for path in sorted(folder.iterdir()) if folder.is_dir() else []:
@@ -222,6 +216,32 @@ def find_release(fork: Fork, requirement: str, index_urls: list[str],
         f" {', '.join(map(str, find_links)) or 'no find-links folder'} and {', '.join(tried)}\n"
         "  fix: check the version, or pass --index-url for a reachable index or --find-links DIR holding its sdist"
     )
+
+
+def releases(fork: Fork, index_urls: list[str], find_links: list[Path]) -> tuple[set[str], list[str]]:
+    """The versions of the fork's distribution that have an sdist (what `find_release` can lay out), in the
+    find-links folders and on each index, and the places looked in."""
+    assert fork.pypi is not None
+    names = [p.name for folder in find_links if folder.is_dir() for p in folder.iterdir() if p.is_file()]
+    tried = [str(folder) for folder in find_links]
+    for index in index_urls:
+        page, files = _listing(index, fork.pypi.name)
+        names += files
+        tried.append(page)
+    versions = {_sdist_version(fork, name) for name in names} - {None}
+    return {str(v) for v in versions}, tried
+
+
+def _sdist_version(fork: Fork, file_name: str):
+    """The version of an sdist of the fork's distribution named `file_name`; None for any other file."""
+    from packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename
+
+    assert fork.pypi is not None
+    try:
+        name, version = parse_sdist_filename(file_name)
+    except InvalidSdistFilename:
+        return None
+    return version if canonicalize_name(name) == canonicalize_name(fork.pypi.name) else None
 
 
 def _release_version(fork: Fork, requirement: str):
