@@ -99,8 +99,8 @@ def test_apply_check_and_status_read_past_the_headers(with_series, capsys):
     assert p.cli("check", "demo") == 0
     assert "ok, 3 patches (lint + applies to the pin)" in capsys.readouterr().out
     assert p.cli("status", "--check", "demo") == 0
-    assert p.cli("rebase", "demo", "--onto", "v2", "--dry-run") == 0
-    assert "replay add-a-feature-flag.patch" in capsys.readouterr().out
+    assert p.cli("rebase", "demo", "--onto", "v2", "--dry-run") == 1  # one patch conflicts at v2 (next test)
+    assert "demo: clean 1, 3-way merged 0, conflict 1, already upstream 1;" in capsys.readouterr().out
 
 
 def test_rebase_keeps_the_headers_of_what_it_keeps(with_series, capsys):
