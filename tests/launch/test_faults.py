@@ -254,3 +254,16 @@ def test_a_full_checkpoint_disk_is_named_with_the_room_left(tmp_path, monkeypatc
     assert run.disk_full(ckpt, 25_700_000) == (
         f"The checkpoint filesystem is full: {ckpt} has 0.0 MB free of 40.0 MB, one checkpoint takes 25.7 MB:"
         " free space there before continuing")
+
+
+def test_a_rank_fault_becomes_its_nodes_once_ray_declares_the_node_dead():
+    """A node's ranks are seen dead before the node (its health check needs 5 misses of 3 s): the final verdict
+    waits for that, and a rank whose node lives stays a rank fault."""
+    rank = faults.Fault((2,), "10.0.0.3", (4711,), "generate_sequences", False, after=(3,))
+    node = faults.Fault((2, 3), "10.0.0.3", (4711, 4712), "generate_sequences", True)
+    clock = iter(range(100)).__next__  # one second per call
+    scans = iter([rank, None, node])
+    assert faults.settle(lambda: next(scans), rank, timeout_s=20, sleep=lambda _: None, clock=clock) is node
+    clock = iter(range(100)).__next__
+    assert faults.settle(lambda: rank, rank, timeout_s=20, sleep=lambda _: None, clock=clock) is rank
+    assert faults.settle(lambda: pytest.fail("a node fault is final"), node) is node

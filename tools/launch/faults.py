@@ -104,6 +104,23 @@ def scan(address: str, ignore: frozenset[str] = frozenset()) -> Fault | None:
                  bool(on_dead_node), frozenset(a.actor_id for a in dead), after)
 
 
+NODE_DEATH_S = 20.0  # Ray's raylet health check: a period of 3 s x 5 misses, and a poll
+
+
+def settle(scan_once, fault: Fault, timeout_s: float = NODE_DEATH_S, poll_s: float = 1.0,
+           sleep=time.sleep, clock=time.monotonic) -> Fault:
+    """The fault as Ray states it once it had time to declare a lost node. The ranks of a node that went away are
+    seen dead seconds before the node is (their owner notices the broken connection first, the health check needs
+    its misses), so a rank fault is scanned again until its node is declared dead or `timeout_s` has passed."""
+    deadline = clock() + timeout_s
+    while not fault.node_died and clock() < deadline:
+        again = scan_once()
+        if again is not None and again.node_died:
+            return again
+        sleep(poll_s)
+    return fault
+
+
 def _node_ip(address: str, node_id: str) -> str:
     from ray.util.state import list_nodes
 

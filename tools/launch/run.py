@@ -215,6 +215,9 @@ def _run_head(p: Prepared, say=print) -> int:
         say(f"job {pl.run_id}: {status}")
         if status != "SUCCEEDED":
             _watch(pl, seen, say)  # the trainer may have failed on the dead rank before the watch saw it
+            if seen and (settled := faults.settle(lambda: _scan(pl, say), seen[0])) is not seen[0]:
+                say(f"fault: {settled.message()} (Ray declared the node dead after its ranks)")
+                seen[0] = settled
             say(failure(p, seen[0] if seen else None))
         return EXIT_OK if status == "SUCCEEDED" else EXIT_ERROR
     finally:
@@ -223,13 +226,17 @@ def _run_head(p: Prepared, say=print) -> int:
         summarize(p, say)
 
 
+def _scan(pl: plan.Plan, say) -> faults.Fault | None:
+    try:
+        return faults.scan(pl.dashboard_url)
+    except Exception as exc:  # noqa: BLE001 - a state-API hiccup must not end the run; the next poll retries
+        say(f"watch: Ray's state API did not answer ({type(exc).__name__}: {exc})")
+        return None
+
+
 def _watch(pl: plan.Plan, seen: list, say) -> faults.Fault | None:
     if not seen:
-        try:
-            fault = faults.scan(pl.dashboard_url)
-        except Exception as exc:  # noqa: BLE001 - a state-API hiccup must not end the run; the next poll retries
-            say(f"watch: Ray's state API did not answer ({type(exc).__name__}: {exc})")
-            return None
+        fault = _scan(pl, say)
         if fault is not None:
             seen.append(fault)
             say(f"fault: {fault.message()}: stopping the job")
