@@ -405,13 +405,15 @@ def reshard_bytes(run: Run, dims: Dims) -> tuple[float, float]:
     from verl.utils.reshard.plan import RolloutLayout, TrainLayout, expert_traffic
 
     lay, t = run.lay, run.lay.train
-    traffic = expert_traffic(TrainLayout(t.tp, t.pp, t.ep, lay.world, t.extend_ep),
-                             RolloutLayout(dp=lay.rollout_dp, tp=lay.rollout_tp, instances=lay.rollout_instances),
-                             dims.experts)
-    experts = traffic.directed_recv_max if run.opts.reshard_experts == "directed" else traffic.gather_recv
+    train = TrainLayout(t.tp, t.pp, t.ep, lay.world, t.extend_ep)
+    serving = RolloutLayout(dp=lay.rollout_dp, tp=lay.rollout_tp, instances=lay.rollout_instances)
+    if run.opts.reshard_experts == "directed":
+        experts = expert_traffic(train, serving, dims.experts).directed_recv_max
+    else:  # the planner's all-gather count, which needs no directed plan (nor moe_tp_extend_ep)
+        experts = dims.experts - dims.experts // train.etp_group
     per_expert = BF16 * dims.expert_params * dims.moe_layers
     non_expert = BF16 * (dims.total_params() - dims.moe_layers * dims.experts * dims.expert_params)
-    return non_expert + experts * per_expert, non_expert + traffic.minimum * per_expert
+    return non_expert + experts * per_expert, non_expert + dims.experts // serving.ep * per_expert
 
 
 def reshard(run: Run, dims: Dims, c: Constants, fit: Fit) -> Phase:
