@@ -217,7 +217,7 @@ def main() -> None:
         none, _, _ = simulate(s, lengths, None, args.interval)
         ref, ref_cp, ref_mv = simulate(s, lengths, reference, args.interval, reprefill)
         our, our_cp, our_mv = simulate(s, lengths, ours, args.interval, reprefill)
-        pool = pooled_ms(s, lengths, step_ms)
+        pool, _ = pooled_ms(s, lengths, step_ms)
         print(f"{s.name:20} {len(lengths):5d} {lengths.mean():6.0f} {lengths.max():6d} {bound / 1e3:8.1f} "
               f"{none / 1e3:8.1f} {ref / 1e3:8.1f} {our / 1e3:8.1f} {pool / 1e3:7.1f} "
               f"{none / bound:7.3f} {ref / bound:7.3f} {our / bound:7.3f} {pool / bound:7.3f} "

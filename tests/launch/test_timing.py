@@ -191,8 +191,9 @@ def test_rollout_sim_forced_lengths_cost_cap_steps_and_pool_is_no_slower():
     varied = dataclasses.replace(s, mean=40)
     lengths = rollout_sim.response_lengths(varied, np.random.default_rng(0))
     step = lambda b, kv: 1.0 + b  # noqa: E731
-    assert rollout_sim.pooled_ms(varied, lengths, step) <= rollout_sim.decode(rollout_sim.Rollout(varied, lengths),
-                                                                              step)
+    pooled, steps = rollout_sim.pooled_ms(varied, lengths, step)
+    assert steps == lengths.max()
+    assert pooled <= rollout_sim.decode(rollout_sim.Rollout(varied, lengths), step)
 
 
 def test_dry_run_prints_the_prediction_and_a_what_if(tmp_path, capsys):

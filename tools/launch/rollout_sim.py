@@ -166,9 +166,10 @@ def decode(rollout: Rollout, step_ms: StepMs, interval: int = 0,
     return makespan
 
 
-def pooled_ms(s: Scenario, lengths: np.ndarray, step_ms: StepMs) -> float:
+def pooled_ms(s: Scenario, lengths: np.ndarray, step_ms: StepMs) -> tuple[float, int]:
     """The best a policy that does not know lengths can approach: one FIFO queue feeding all N x max_num_seqs
-    slots, the running sequences spread perfectly at every step, moves free (the limit of rebalancing)."""
+    slots, the running sequences spread perfectly at every step, moves free (the limit of rebalancing).
+    Returns its makespan (ms) and steps."""
     buckets, slots = s.graph_buckets, s.engines * s.max_num_seqs
     finishes = [(int(n), 0) for n in lengths[:slots]]  # (finish step, start step)
     heapq.heapify(finishes)
@@ -186,7 +187,7 @@ def pooled_ms(s: Scenario, lengths: np.ndarray, step_ms: StepMs) -> float:
             if queued:
                 heapq.heappush(finishes, (now + queued.popleft(), now))
                 context += s.prompt_len
-    return makespan
+    return makespan, now
 
 
 def lower_bound_ms(lengths: np.ndarray, engines: int, max_num_seqs: int, fixed_ms: float, per_seq_ms: float) -> float:

@@ -117,9 +117,12 @@ class Options:
     graph_batch_sizes: tuple[int, ...] = ()
     dp_sync_on_device: bool = False
     calculate_log_probs: bool = False  # the rollout returns log-probs: one more column through the driver
-    # Not a key: our verl series packs each micro-batch's sequences (model_forward.py pack_seqs=True); the
-    # reference's model_forward.py pads every row to the micro-batch's longest (pack_seqs=False).
+    # Not keys. Our verl series packs each micro-batch's sequences (model_forward.py pack_seqs=True); the
+    # reference's model_forward.py pads every row to the micro-batch's longest (pack_seqs=False). The rollout
+    # rebalancer is in our series but not called by the rollout yet: rebalance=True models its limit (free moves at
+    # every step, rollout_sim.pooled_ms).
     packed: bool = True
+    rebalance: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,11 @@ def decode_instances(run: Run, dims: Dims, c: Constants) -> list[tuple[float, in
     for i in range(lay.rollout_instances):
         s = rollout_sim.Scenario(f"instance {i}", lay.rollout_dp, prompts, lay.n, run.work.response_tokens,
                                  lay.response_len, lay.max_num_seqs, round(run.work.prompt_tokens), buckets=buckets)
-        rollout = rollout_sim.Rollout(s, lengths[i * prompts * lay.n:(i + 1) * prompts * lay.n])
+        mine = lengths[i * prompts * lay.n:(i + 1) * prompts * lay.n]
+        if opts.rebalance:
+            out.append(rollout_sim.pooled_ms(s, mine, hbm_ms))
+            continue
+        rollout = rollout_sim.Rollout(s, mine)
         out.append((rollout_sim.decode(rollout, hbm_ms), rollout.now))
     return out
 
