@@ -97,7 +97,7 @@ def test_driver_accounting_matches_the_replay_of_verls_fit_loop():
     assert ours["update"] == pytest.approx(cached["update_actor_cached"], rel=1e-2)
 
 
-@pytest.mark.parametrize("pub", refs.HELD_OUT, ids=lambda p: p.name.split(",")[0].split(" (")[0].replace(" ", "-"))
+@pytest.mark.parametrize("pub", refs.HELD_OUT, ids=["random-init", "r1_ascend"])
 def test_held_out_runs_are_predicted_within_the_declared_tolerance(pub, fit, dims):
     pred = timing.predict(pub.run(), dims, fit)
     errors = refs.errors(pub, pred)
@@ -178,6 +178,15 @@ def test_the_on_policy_skip_saves_one_forward_pass(fit, dims):
     assert base.phases["old_log_prob"].s == 0
     old, ref = other.phases["old_log_prob"].parts["compute"], other.phases["ref"].parts["compute"]
     assert 0.9 * ref < old < 1.5 * ref  # a forward of the actor over the batch, in micro-batches of 4 not 8
+
+
+def test_a_second_epoch_doubles_the_update_pass(fit, dims):
+    """Each epoch runs every micro-batch again and fills and drains the pipeline again, once per mini-batch."""
+    c = timing.CONSTANTS
+    one = timing.update(profile("a3-128-true-weight"), dims, c, fit)
+    two = timing.update(profile("a3-128-true-weight", "actor_rollout_ref.actor.ppo_epochs=2"), dims, c, fit)
+    assert two.parts["compute"] == pytest.approx(2 * one.parts["compute"], rel=1e-9)
+    assert two.parts["driver"] == one.parts["driver"]  # the batch is dispatched once
 
 
 def test_rollout_sim_forced_lengths_cost_cap_steps_and_pool_is_no_slower():

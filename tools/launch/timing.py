@@ -361,7 +361,7 @@ def old_log_prob(run: Run, dims: Dims, c: Constants, fit: Fit) -> Phase:
 
 def update(run: Run, dims: Dims, c: Constants, fit: Fit) -> Phase:
     lay = run.lay
-    flushes = max(1, lay.train_batch // lay.mini_batch) * lay.ppo_epochs
+    flushes = max(1, lay.train_batch // lay.mini_batch)  # the pipeline fills and drains once per mini-batch
     compute = pass_at_peak_s(run, dims, c, lay.train, lay.micro_batch, True, recompute_layers(lay), flushes)
     swap = optimizer_swap_bytes(run, dims) / (c.host_gb_per_s * GB)
     return Phase({"compute": compute * lay.ppo_epochs / fit.train_eff, "optimizer swap": swap / fit.host_eff,
@@ -523,7 +523,7 @@ def calibrate(run: Run, dims: Dims, published: dict[str, float], c: Constants = 
     forward = published["ref"] - driver_s(run, "ref", half)
     forward_eff = pass_at_peak_s(run, dims, c, lay.ref, lay.ref_micro_batch or lay.micro_batch, False) / forward
     swap = optimizer_swap_bytes(run, dims) / (c.host_gb_per_s * GB) / host_eff
-    flushes = max(1, lay.train_batch // lay.mini_batch) * lay.ppo_epochs
+    flushes = max(1, lay.train_batch // lay.mini_batch)
     train = published["update"] - driver_s(run, "update", half) - swap
     train_eff = lay.ppo_epochs * pass_at_peak_s(run, dims, c, lay.train, lay.micro_batch, True,
                                                 recompute_layers(lay), flushes) / train
