@@ -216,6 +216,10 @@ def test_dry_run_prints_the_prediction_and_a_what_if(tmp_path, capsys):
     assert "TPS per card" in table and "per die" in table and "dominant: rollout" in table
     what_if = out[out.index("what-if actor_rollout_ref.tensor_cache.enable=false"):]
     assert "TPS per card" in what_if and "\n  ref " in what_if
+    assert cli.main([*args[:-1], "actor_rollout_ref.rollout.max_num_seqs=32"]) == 0  # the variant fails a check
+    out = capsys.readouterr().out
+    assert "what-if actor_rollout_ref.rollout.max_num_seqs=32: no prediction, the variant fails preflight:" \
+        " actor_rollout_ref.rollout.max_num_seqs: one batch per engine fails" in out
     assert cli.main([str(CONFIGS / "cpu-tiny.yaml"), "--dry-run", "--run-id", "t", "--logs", str(tmp_path)]) == 0
     assert "no step-time prediction for launch.accelerator cpu" in capsys.readouterr().out
 
@@ -227,4 +231,4 @@ def test_every_constant_is_in_the_table_with_a_source(fit):
         assert source and unit, name
         assert math.isfinite(value), f"{name} is not set (calibrate)"
     assumed = [name for name, _, _, source in rows if source.startswith("assumed")]
-    assert assumed == ["host_gb_per_s"]
+    assert assumed == ["hccs_gb_per_s", "host_gb_per_s"]

@@ -57,7 +57,7 @@ class Prepared:
 
     resume: resume.Checkpoint | None = None  # --resume: the checkpoint the run continues from
     timing: timing.Prediction | str | None = None  # the step-time prediction, or why there is none
-    what_if: tuple[tuple[str, ...], timing.Prediction] | None = None  # --what-if overrides and their prediction
+    what_if: tuple[tuple[str, ...], timing.Prediction | str] | None = None  # --what-if overrides, their prediction
 
     @property
     def ok(self) -> bool:
@@ -104,8 +104,7 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
     prepared = Prepared(recipe, the_plan, checks, est, dims_source, input_checks, cost)
     prepared.timing = predict_step(prepared, dims)
     if what_if and isinstance(prepared.timing, timing.Prediction):
-        variant = config.load(recipe.path, (*recipe.overrides, *what_if)).cfg
-        prepared.what_if = (tuple(what_if), timing.predict(timing.run_from_config(variant), dims, reference_runs.fit()))
+        prepared.what_if = (tuple(what_if), predict_variant(recipe, tuple(what_if), dims, gb))
     return prepared
 
 
@@ -118,6 +117,16 @@ def predict_step(p: Prepared, dims) -> timing.Prediction | str:
     if not p.ok:
         return "no step-time prediction: a preflight check failed"
     return timing.predict(timing.run_from_config(p.recipe.cfg), dims, reference_runs.fit())
+
+
+def predict_variant(recipe: config.Recipe, what_if: tuple[str, ...], dims, device_gb: float) -> timing.Prediction | str:
+    """The prediction with the --what-if overrides on top, when that variant passes preflight's arithmetic."""
+    variant = config.load(recipe.path, (*recipe.overrides, *what_if)).cfg
+    checks, _ = preflight.run(layout.from_config(variant), dims, device_gb)
+    failed = next((c for c in checks if not c.ok), None)
+    if failed is not None:
+        return f"no prediction, the variant fails preflight: {failed.message()}"
+    return timing.predict(timing.run_from_config(variant), dims, reference_runs.fit())
 
 
 def checkpoint_dir(p: Prepared) -> Path:
@@ -183,7 +192,9 @@ def render_timing(p: Prepared) -> str:
                                   " tools/launch/timing.py):")
     if p.what_if:
         overrides, other = p.what_if
-        out += "\n\n" + timing.render_delta(p.timing, other, f"what-if {' '.join(overrides)}:")
+        title = f"what-if {' '.join(overrides)}:"
+        out += "\n\n" + (timing.render_delta(p.timing, other, title) if isinstance(other, timing.Prediction)
+                          else f"{title} {other}")
     return out
 
 

@@ -68,9 +68,11 @@ class Constants:
     """Every number of the model that is neither the config's nor the model's, with its source."""
 
     peak_tflops: float = _const(376.0, "TFLOPS/die", f"bf16 dense: 752 per Ascend 910C package of 2 dies ({CM384})")
-    hbm_gb_per_s: float = _const(1600.0, "GB/s/die", f"3.2 TB/s per 910C package of 2 dies ({CM384})")
-    hccs_gb_per_s: float = _const(196.0, "GB/s/die", f"HCCS/UB, one way: 392 GB/s per 910C over 2 dies ({CM384});"
-                                  " on an A3 SuperPoD (the reference's cluster, §1.1) it joins every die, across nodes")
+    hbm_gb_per_s: float = _const(1600.0, "GB/s/die", "3.2 TB/s (8 HBM2E stacks) per 910C package of 2 dies"
+                                 " (TechPowerUp 2025-04, after DigiTimes)")
+    hccs_gb_per_s: float = _const(196.0, "GB/s/die", f"assumed: HCCS/UB one way, ~392 GB/s per 910C package over its 2"
+                                  f" dies (public summaries of {CM384} give 196-400); an A3 SuperPoD (the reference's"
+                                  " cluster, §1.1) joins every die over it, across nodes")
     host_gb_per_s: float = _const(32.0, "GB/s/die", "assumed: host <-> die, PCIe 5.0 x16 (64 GB/s) per card of 2 dies")
     driver_ref_skew_s: float = _const(57.0, "s", f"{DOC} §3.2.4: the last worker starts compute_ref_log_prob 57 s"
                                       " after the first (verl's serial dispatch, 1K/3K, TP4 PP8 EP8)")
@@ -546,7 +548,8 @@ def table(fit: Fit, c: Constants = CONSTANTS) -> list[tuple[str, float, str, str
 
 def render(pred: Prediction, title: str) -> str:
     rows = [(name, p) for name, p in pred.phases.items() if p.s or p.limit]
-    lines = [title, f"  {'phase':<13} {'s':>8} {'limit s':>8} {'limit/s':>7}  of which"]
+    lines = [title, f"  {'phase':<13} {'s':>8} {'limit s':>8} {'speed':>7}  of which (speed: the limit's time / the"
+                    " predicted)"]
     for name, p in rows:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in p.parts.items() if v)
         lines.append(f"  {name:<13} {p.s:8.1f} {p.limit:8.1f} {p.limit / p.s if p.s else 1:7.0%}  {parts}")
