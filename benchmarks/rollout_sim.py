@@ -1,5 +1,7 @@
 """Rollout makespan across vLLM data-parallel engines, with and without rebalancing: a discrete-event
 simulation (no GPU) of the plan in verl/workers/rollout/rebalance/plan.py against the reference's rule.
+The simulator (engines, admission, lengths, pool, bound) is tools/launch/rollout_sim.py, which the step-time
+model of the launcher's preflight (tools/launch/timing.py) runs too; the policies are here.
 
 Model (all stated, none measured):
 * N engines step in lockstep (vLLM DP synchronises every step), so a step costs the slowest engine's:
@@ -45,22 +47,29 @@ limit of rebalancing ever more often. Columns: makespans (s), ratios to the boun
 from __future__ import annotations
 
 import argparse
-import heapq
 import importlib.util
 import math
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.launch.rollout_sim import (  # noqa: E402  (the simulator itself, shared with tools/launch/timing.py)
+    Rollout,
+    Scenario,
+    decode,
+    lower_bound_ms,
+    pooled_ms,
+    response_lengths,
+)
+
 PLAN_PATH = ROOT / "third_party/verl/verl/workers/rollout/rebalance/plan.py"
 
 A_MS, C_MS = 30.0, 0.12
-POWERS = [2**k for k in range(10)]  # 1 .. 512
 BLOCK_TOKENS, KV_BYTES_PER_TOKEN, LINK_BYTES_PER_S = 128, 61 * 576 * 2, 20e9
 KV_CAP = 0.9
 
@@ -77,20 +86,6 @@ def load_plan():
 plan = load_plan()
 
 
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    engines: int
-    prompts: int
-    samples: int
-    mean: float
-    cap: int
-    max_num_seqs: int
-    prompt_len: int = 512
-    sigma_prompt: float = 0.6
-    sigma_sample: float = 0.6
-
-
 SCENARIOS = [
     Scenario("3K  N=64", 64, 512, 16, 1576, 3072, 256),
     Scenario("3K  N=128", 128, 512, 16, 1576, 3072, 256),
@@ -101,145 +96,37 @@ SCENARIOS = [
 ]
 
 
-def graph_buckets(s: Scenario) -> list[int]:
-    """vLLM captures graphs up to max_num_seqs: a load beyond it is served in waves."""
-    return [b for b in POWERS if b <= s.max_num_seqs]
-
-
-def step_ms(batch: int, buckets: list[int]) -> float:
-    return A_MS + C_MS * plan.bucket_of(batch, buckets) if batch else 0.0
+def step_ms(bucket: int, kv_tokens: float) -> float:
+    """t(b) = A + C * bucket(b): the cost of a step does not depend on the KV read here."""
+    return A_MS + C_MS * bucket if bucket else 0.0
 
 
 def kv_blocks(tokens: int) -> int:
     return -(-tokens // BLOCK_TOKENS)
 
 
-def response_lengths(s: Scenario, rng: np.random.Generator) -> np.ndarray:
-    """Long-tailed lengths, prompt-major (the samples of a prompt adjacent), clipped mean ~ s.mean."""
-    def draw(mu, z_prompt, z_sample):
-        raw = np.exp(mu + s.sigma_prompt * z_prompt[:, None] + s.sigma_sample * z_sample)
-        return np.clip(np.rint(raw), 1, s.cap).astype(np.int64).ravel()
-
-    fit = np.random.default_rng(12345)
-    zp, zs = fit.standard_normal(4096), fit.standard_normal((4096, s.samples))
-    lo, hi = 0.0, math.log(s.cap) + 3
-    for _ in range(60):  # the clipped mean grows with mu
-        mu = (lo + hi) / 2
-        lo, hi = (mu, hi) if draw(mu, zp, zs).mean() < s.mean else (lo, mu)
-    return draw(mu, rng.standard_normal(s.prompts), rng.standard_normal((s.prompts, s.samples)))
-
-
-def lower_bound_ms(lengths: np.ndarray, engines: int, max_num_seqs: int) -> float:
-    """A * K_min + C * T / N (module docstring): K_min by bisection on the concave P(K)."""
-    total, slots = int(lengths.sum()), engines * max_num_seqs
-    lo, hi = int(lengths.max()), int(lengths.max()) + total // slots + 1
-    while lo < hi:
-        k = (lo + hi) // 2
-        if min(k * slots, int(np.minimum(lengths, k).sum())) >= total:
-            hi = k
-        else:
-            lo = k + 1
-    return A_MS * lo + C_MS * total / engines
-
-
-def pooled_ms(s: Scenario, lengths: np.ndarray) -> float:
-    """The best a policy that does not know lengths can approach: one FIFO queue feeding all N x
-    max_num_seqs slots, the running sequences spread perfectly at every step, moves free."""
-    buckets, slots = graph_buckets(s), s.engines * s.max_num_seqs
-    finishes = [int(n) for n in lengths[:slots]]
-    heapq.heapify(finishes)
-    now, makespan, queued = 0, 0.0, deque(int(n) for n in lengths[slots:])
-    while finishes:
-        event = finishes[0]
-        makespan += (event - now) * step_ms(math.ceil(len(finishes) / s.engines), buckets)
-        now = event
-        while finishes and finishes[0] == now:
-            heapq.heappop(finishes)
-            if queued:
-                heapq.heappush(finishes, now + queued.popleft())
-    return makespan
-
-
-class Rollout:
-    """Engines with FIFO admission; sequences decode one token per lockstep step."""
-
-    def __init__(self, s: Scenario, lengths: np.ndarray):
-        self.s, self.lengths, self.buckets = s, lengths, graph_buckets(s)
-        self.done_tokens = np.zeros(len(lengths), dtype=np.int64)  # generated before `since`
-        self.since = np.zeros(len(lengths), dtype=np.int64)  # step it last started running here
-        self.version = np.zeros(len(lengths), dtype=np.int64)  # invalidates finish events on a move
-        per = len(lengths) // s.engines
-        self.running = [dict() for _ in range(s.engines)]  # seq -> admission order
-        self.waiting = [deque(range(e * per, (e + 1) * per)) for e in range(s.engines)]
-        self.finishes: list[tuple[int, int, int]] = []
-        self.now, self.left, self.order = 0, len(lengths), 0
-        for e in range(s.engines):
-            self.admit(e)
-
-    def generated(self, seq: int) -> int:
-        return int(self.done_tokens[seq] + self.now - self.since[seq])
-
-    def admit(self, engine: int) -> None:
-        while self.waiting[engine] and len(self.running[engine]) < self.s.max_num_seqs:
-            self.start(engine, self.waiting[engine].popleft())
-
-    def start(self, engine: int, seq: int) -> None:
-        self.since[seq], self.order = self.now, self.order + 1
-        self.running[engine][seq] = self.order
-        finish = self.now + int(self.lengths[seq] - self.done_tokens[seq])
-        heapq.heappush(self.finishes, (finish, seq, int(self.version[seq])))
-
-    def stop(self, engine: int, seq: int) -> None:
-        """Take a running sequence off its engine, keeping what it generated."""
-        self.done_tokens[seq] = self.generated(seq)
-        self.version[seq] += 1
-        del self.running[engine][seq]
-
-    def next_finish(self) -> int:
-        while self.finishes and self.finishes[0][2] != self.version[self.finishes[0][1]]:
-            heapq.heappop(self.finishes)
-        return self.finishes[0][0]
-
-    def finish_due(self, owner: list[int]) -> None:
-        touched = set()
-        while self.next_finish() == self.now:
-            _, seq, _ = heapq.heappop(self.finishes)
-            del self.running[owner[seq]][seq]
-            touched.add(owner[seq])
-            self.left -= 1
-            if not self.left:
-                return
-        for e in sorted(touched):
-            self.admit(e)
-
-    def batch(self) -> int:
-        return max(len(r) for r in self.running)
-
-    def loads(self) -> list[int]:
-        return [len(r) + len(w) for r, w in zip(self.running, self.waiting, strict=True)]
-
-    def engine_loads(self) -> tuple[list, list[list[int]]]:
-        """What each engine reports: EngineLoad, and its running sequences in report order."""
-        capacity = self.s.max_num_seqs * kv_blocks(self.s.prompt_len + self.s.cap)
-        reports, orders = [], []
-        for running, waiting in zip(self.running, self.waiting, strict=True):
-            seqs = sorted(running, key=running.get)
-            blocks = tuple(kv_blocks(self.s.prompt_len + self.generated(q)) for q in seqs)
-            reports.append(plan.EngineLoad(len(seqs), len(waiting), sum(blocks), capacity, blocks))
-            orders.append(seqs)
-        return reports, orders
+def engine_loads(rollout: Rollout) -> tuple[list, list[list[int]]]:
+    """What each engine reports: EngineLoad, and its running sequences in report order."""
+    capacity = rollout.s.max_num_seqs * kv_blocks(rollout.s.prompt_len + rollout.s.cap)
+    reports, orders = [], []
+    for running, waiting in zip(rollout.running, rollout.waiting, strict=True):
+        seqs = sorted(running, key=running.get)
+        blocks = tuple(kv_blocks(rollout.s.prompt_len + rollout.generated(q)) for q in seqs)
+        reports.append(plan.EngineLoad(len(seqs), len(waiting), sum(blocks), capacity, blocks))
+        orders.append(seqs)
+    return reports, orders
 
 
 def ours(rollout: Rollout) -> list[tuple[int, int, list[int], int]]:
     """(src, dst, running seqs, waiting count) from plan_rebalance."""
-    reports, orders = rollout.engine_loads()
+    reports, orders = engine_loads(rollout)
     moves = plan.plan_rebalance(reports, rollout.buckets, KV_CAP).moves
     return [(m.src, m.dst, [orders[m.src][i] for i in m.seqs], m.waiting) for m in moves]
 
 
 def reference(rollout: Rollout) -> list[tuple[int, int, list[int], int]]:
     """Average-load bucket; excess from the back of each donor's running list, receivers in rank order."""
-    reports, orders = rollout.engine_loads()
+    reports, orders = engine_loads(rollout)
     loads = [r.sequences for r in reports]
     target = plan.bucket_of(math.ceil(sum(loads) / len(loads)), rollout.buckets)
     slots = {e: target - n for e, n in enumerate(loads)
@@ -261,8 +148,7 @@ def reference(rollout: Rollout) -> list[tuple[int, int, list[int], int]]:
     return moves
 
 
-def apply_moves(rollout: Rollout, moves, owner: list[int], reprefill_tok_per_ms: float | None = None
-                ) -> tuple[float, int]:
+def apply_moves(rollout: Rollout, moves, reprefill_tok_per_ms: float | None = None) -> tuple[float, int]:
     """Carry out the moves; returns (move time in ms, sequences moved). The move time is the slowest
     engine's KV traffic, or with `reprefill_tok_per_ms` the slowest receiver's prefill of what it got."""
     traffic = [0] * rollout.s.engines
@@ -276,11 +162,11 @@ def apply_moves(rollout: Rollout, moves, owner: list[int], reprefill_tok_per_ms:
             prefill[dst] += rollout.s.prompt_len + rollout.generated(seq)
             rollout.stop(src, seq)
             rollout.waiting[dst].appendleft(seq)  # a migrated sequence resumes first
-            owner[seq] = dst
+            rollout.owner[seq] = dst
         for _ in range(waiting):
             seq = rollout.waiting[src].pop()  # the last in the donor's queue
             rollout.waiting[dst].append(seq)
-            owner[seq] = dst
+            rollout.owner[seq] = dst
         moved += len(seqs) + waiting
     for e in sorted({m[0] for m in moves} | {m[1] for m in moves}):  # a donor may have freed slots
         rollout.admit(e)
@@ -293,22 +179,18 @@ def simulate(s: Scenario, lengths: np.ndarray, policy, interval: int,
              reprefill_tok_per_ms: float | None = None) -> tuple[float, float, int]:
     """Makespan in ms (steps plus KV copies), of it the copies in ms, and sequences moved."""
     rollout = Rollout(s, lengths)
-    per = len(lengths) // s.engines
-    owner = [q // per for q in range(len(lengths))]
-    makespan = copying = 0.0
-    moved, next_check = 0, interval
-    while rollout.left:
-        event = min(rollout.next_finish(), next_check) if policy else rollout.next_finish()
-        makespan += (event - rollout.now) * step_ms(rollout.batch(), rollout.buckets)
-        rollout.now = event
-        rollout.finish_due(owner)
-        if policy and event == next_check and rollout.left:
-            next_check += interval
-            count_target = plan.bucket_of(math.ceil(rollout.left / s.engines), rollout.buckets)
-            if plan.largest_bucket(rollout.loads(), rollout.buckets) > count_target:  # else nothing to gain
-                ms, n = apply_moves(rollout, policy(rollout), owner, reprefill_tok_per_ms)
-                makespan, copying, moved = makespan + ms, copying + ms, moved + n
-    return makespan, copying, moved
+    moves = {"ms": 0.0, "moved": 0}
+
+    def check(r: Rollout) -> float:
+        count_target = plan.bucket_of(math.ceil(r.left / s.engines), r.buckets)
+        if plan.largest_bucket(r.loads(), r.buckets) <= count_target:  # nothing to gain
+            return 0.0
+        ms, n = apply_moves(r, policy(r), reprefill_tok_per_ms)
+        moves["ms"], moves["moved"] = moves["ms"] + ms, moves["moved"] + n
+        return ms
+
+    makespan = decode(rollout, step_ms, interval, check if policy else None)
+    return makespan, moves["ms"], moves["moved"]
 
 
 def main() -> None:
@@ -331,11 +213,11 @@ def main() -> None:
     worst_ours, worst_vs_pool, best_gain, worst_vs_none = 0.0, 0.0, 0.0, 0.0
     for s in SCENARIOS:
         lengths = response_lengths(s, np.random.default_rng(args.seed))
-        bound = lower_bound_ms(lengths, s.engines, s.max_num_seqs)
+        bound = lower_bound_ms(lengths, s.engines, s.max_num_seqs, A_MS, C_MS)
         none, _, _ = simulate(s, lengths, None, args.interval)
         ref, ref_cp, ref_mv = simulate(s, lengths, reference, args.interval, reprefill)
         our, our_cp, our_mv = simulate(s, lengths, ours, args.interval, reprefill)
-        pool = pooled_ms(s, lengths)
+        pool, _ = pooled_ms(s, lengths, step_ms)
         print(f"{s.name:20} {len(lengths):5d} {lengths.mean():6.0f} {lengths.max():6d} {bound / 1e3:8.1f} "
               f"{none / 1e3:8.1f} {ref / 1e3:8.1f} {our / 1e3:8.1f} {pool / 1e3:7.1f} "
               f"{none / bound:7.3f} {ref / bound:7.3f} {our / bound:7.3f} {pool / bound:7.3f} "

@@ -24,7 +24,9 @@ recipes/deepseek_r1/configs/a3-128-true-weight.yaml. Overrides use OmegaConf's d
 
 What a run does:
   - preflight: layout and batch arithmetic and a per-die memory estimate, as a table (check, value,
-    rule, ok); any failure names the config field and stops the run (exit 1).
+    rule, ok); any failure names the config field and stops the run (exit 1). On A3 it also predicts
+    the step time per phase (rollout, ref, update, reshard, ...) next to each phase's physical limit,
+    with TPS per card; --what-if key=value shows what an override would change.
   - the node that owns MASTER_ADDR (or --head) starts Ray's head with the device resource, waits until
     launch.nodes nodes have joined with their devices, submits the trainer as a Ray job
     (verl.trainer.main_ppo on <logs>/<run-id>/verl.yaml) and streams its log; then stops its Ray.
@@ -62,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--venv", type=Path, default=None, help="environment whose stack.json is saved (default: this one)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR (logs/<run id>) from its last complete checkpoint")
+    p.add_argument("--what-if", action="append", default=[], metavar="key=value",
+                   help="also predict the step time with this override on top and print the change per phase"
+                        " (repeatable; e.g. --what-if actor_rollout_ref.tensor_cache.enable=false)")
     return p
 
 
@@ -99,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         is_head = args.head or facts.master_is_local
         run_id, logs = run_location(args, recipe, is_head)
         ray_bin = Path(sys.executable).with_name("ray")
-        prepared = run.prepare(recipe, facts, run_id, logs, ray_bin=str(ray_bin) if ray_bin.exists() else "ray")
+        prepared = run.prepare(recipe, facts, run_id, logs, ray_bin=str(ray_bin) if ray_bin.exists() else "ray",
+                               what_if=tuple(args.what_if))
         cut = run.find_resume(prepared) if args.resume and is_head else []
         if not args.resume and is_head:
             run.refuse_saved_run(prepared)

@@ -80,6 +80,14 @@ class RecipeCheckpoints:
 
 
 @dataclass
+class RecipeTiming:
+    # The mean lengths the step-time prediction assumes (tools/launch/timing.py); with rollout.ignore_eos every
+    # response is max_response_length. Defaults: the reference's true-weight step 2 on deepscaler.
+    prompt_tokens: float = 77.8
+    response_tokens: float = 1576.6
+
+
+@dataclass
 class RecipeSettings:
     """`recipe:`, read only by the launcher: its keys, types and defaults (OmegaConf refuses any other)."""
 
@@ -87,6 +95,7 @@ class RecipeSettings:
     weights: RecipeWeights = field(default_factory=RecipeWeights)
     rollout: RecipeRollout = field(default_factory=RecipeRollout)
     checkpoints: RecipeCheckpoints = field(default_factory=RecipeCheckpoints)
+    timing: RecipeTiming = field(default_factory=RecipeTiming)
 
 
 def recipe_settings(cfg: DictConfig) -> DictConfig:

@@ -26,8 +26,10 @@ from tools.launch import (
     layout,
     plan,
     preflight,
+    reference_runs,
     resume,
     summary,
+    timing,
 )
 from tools.launch.memory import Estimate
 from tools.model.dims import dims_from_config
@@ -54,6 +56,8 @@ class Prepared:
     checkpoint: checkpoint_cost.Cost | None = None  # a device profile's checkpoint size and write time
 
     resume: resume.Checkpoint | None = None  # --resume: the checkpoint the run continues from
+    timing: timing.Prediction | str | None = None  # the step-time prediction, or why there is none
+    what_if: tuple[tuple[str, ...], timing.Prediction | str] | None = None  # --what-if overrides, their prediction
 
     @property
     def ok(self) -> bool:
@@ -74,7 +78,8 @@ def device_memory_gb(accelerator: str, devices_per_node: int) -> float:
 
 
 def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root: Path,
-            python: str = sys.executable, ray_bin: str = "ray", device_gb: float | None = None) -> Prepared:
+            python: str = sys.executable, ray_bin: str = "ray", device_gb: float | None = None,
+            what_if: tuple[str, ...] = ()) -> Prepared:
     cfg = recipe.cfg
     base = config.verl_base_for(cfg)
     config.refuse_unknown_keys(cfg, base)
@@ -96,7 +101,32 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
     node_env["TENSORBOARD_DIR"] = str(run_dir / TENSORBOARD)  # verl's tensorboard logger writes, the summary reads
     the_plan = plan.build(recipe.name, run_id, run_dir, lay, config.value(cfg, "launch.ray"), node_env, notes,
                           profile.left_out, python, preflight.derived(lay, dims), ray_bin)
-    return Prepared(recipe, the_plan, checks, est, dims_source, input_checks, cost)
+    prepared = Prepared(recipe, the_plan, checks, est, dims_source, input_checks, cost)
+    prepared.timing = predict_step(prepared, dims)
+    if what_if and isinstance(prepared.timing, timing.Prediction):
+        prepared.what_if = (tuple(what_if), predict_variant(recipe, tuple(what_if), dims, gb))
+    return prepared
+
+
+def predict_step(p: Prepared, dims) -> timing.Prediction | str:
+    """The step-time prediction of a device run whose arithmetic holds, else the reason there is none."""
+    accelerator = p.plan.layout.accelerator
+    if accelerator != "a3":
+        return (f"no step-time prediction for launch.accelerator {accelerator}: the model's constants and fit are"
+                " Atlas A3's (tools/launch/timing.py)")
+    if not p.ok:
+        return "no step-time prediction: a preflight check failed"
+    return timing.predict(timing.run_from_config(p.recipe.cfg), dims, reference_runs.fit())
+
+
+def predict_variant(recipe: config.Recipe, what_if: tuple[str, ...], dims, device_gb: float) -> timing.Prediction | str:
+    """The prediction with the --what-if overrides on top, when that variant passes preflight's arithmetic."""
+    variant = config.load(recipe.path, (*recipe.overrides, *what_if)).cfg
+    checks, _ = preflight.run(layout.from_config(variant), dims, device_gb)
+    failed = next((c for c in checks if not c.ok), None)
+    if failed is not None:
+        return f"no prediction, the variant fails preflight: {failed.message()}"
+    return timing.predict(timing.run_from_config(variant), dims, reference_runs.fit())
 
 
 def checkpoint_dir(p: Prepared) -> Path:
@@ -143,6 +173,7 @@ def report(p: Prepared, dry_run: bool = False) -> str:
              preflight.render_memory(p.estimate), ""]
     if p.checkpoint is not None:
         lines += [checkpoint_cost.render(p.checkpoint, str(checkpoint_dir(p))), ""]
+    lines += [render_timing(p), ""]
     if p.resume is not None:
         lines += [f"resume: continues {p.plan.run_id} from {p.resume.describe()}", ""]
     lines += [f"error: {c.message()}" for c in failed]
@@ -152,6 +183,19 @@ def report(p: Prepared, dry_run: bool = False) -> str:
         word = "needed before a run" if dry_run else "error"
         lines += [f"{word}: {c.message()}" for c in missing]
     return "\n".join(lines) + "\n"
+
+
+def render_timing(p: Prepared) -> str:
+    if not isinstance(p.timing, timing.Prediction):
+        return p.timing or ""
+    out = timing.render(p.timing, "step time (prediction, fitted on the reference's true-weight step;"
+                                  " tools/launch/timing.py):")
+    if p.what_if:
+        overrides, other = p.what_if
+        title = f"what-if {' '.join(overrides)}:"
+        out += "\n\n" + (timing.render_delta(p.timing, other, title) if isinstance(other, timing.Prediction)
+                          else f"{title} {other}")
+    return out
 
 
 def save_run_files(p: Prepared, venv: Path | None) -> list[str]:

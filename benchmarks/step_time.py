@@ -1,0 +1,76 @@
+"""Step time of the A3 profiles as the launcher's model predicts it (tools/launch/timing.py): its constants, its
+fit on the reference's true-weight step, its errors on the two held-out published runs, our profiles next to
+their physical limit, and what each of our changes is worth to a3-128-true-weight (reverted alone, or for the
+rebalancer, which the rollout does not call yet, switched on at its limit).
+
+  python benchmarks/step_time.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.launch import config, timing  # noqa: E402
+from tools.launch import reference_runs as refs  # noqa: E402
+from tools.launch.keys import AM, A, R  # noqa: E402
+
+PROFILES = ("a3-128-true-weight", "a3-128-random-init")
+# (our change, the overrides that revert it on a3-128-true-weight, option changes that are not config keys)
+CHANGES = [
+    ("TensorCache", ("actor_rollout_ref.tensor_cache.enable=false",), {}),
+    ("directed weight sync", (R + "reshard.experts=gather", R + "reshard.tp_pp=gather"), {}),
+    ("manual rollout lifecycle", (R + "lifecycle=sleep",), {}),
+    ("on-policy old_log_prob skip", (A + "recompute_old_log_prob=true",), {}),
+    ("DP syncs on device", (refs.VLLM + "dp_sync_on_device=false",), {}),
+    ("TorchAir graph decode", ("recipe.rollout.torchair_graph=false", refs.TORCHAIR + "enable_multistream_mla=false",
+                               refs.TORCHAIR + "enable_multistream_moe=false", refs.TORCHAIR + "enable_kv_nz=false",
+                               refs.TORCHAIR + "graph_batch_sizes=[]"), {}),
+    ("MLA + MoE multistream", (refs.TORCHAIR + "enable_multistream_mla=false",
+                               refs.TORCHAIR + "enable_multistream_moe=false"), {}),
+    ("KV cache in NZ", (refs.TORCHAIR + "enable_kv_nz=false",), {}),
+    ("packed micro-batches", (), {"packed": False}),
+    ("8 recompute layers (the reference's table: 4)", (AM + "override_transformer_config.recompute_num_layers=4",),
+     {}),
+    ("rollout rebalance (its limit; not wired)", (), {"rebalance": True}),
+]
+
+
+def profile_run(name: str, overrides=(), **opts) -> timing.Run:
+    run = timing.run_from_config(config.load(refs.CONFIGS / f"{name}.yaml", list(overrides)).cfg)
+    return dataclasses.replace(run, opts=dataclasses.replace(run.opts, **opts))
+
+
+def main() -> None:
+    fit, dims = refs.fit(), refs.TRUE_WEIGHT.dims()
+    print("constants (tools/launch/timing.py):")
+    for name, value, unit, source in timing.table(fit):
+        print(f"  {name:<20} {value:10.4g} {unit:<14} {source}")
+    print("\npublished vs predicted (s); fitted on the first run only:")
+    for pub in (refs.TRUE_WEIGHT, *refs.HELD_OUT):
+        errors = refs.errors(pub, timing.predict(pub.run(), dims, fit))
+        print(f"  {pub.name}: " + ", ".join(f"{k} {p:.1f}/{q:.1f} ({q / p - 1:+.0%})" for k, (p, q) in errors.items()))
+    base = None
+    for name in PROFILES:
+        pred = timing.predict(profile_run(name), dims, fit)
+        base = base or pred
+        print("\n" + timing.render(pred, f"{name}:"))
+    print("\nour changes on a3-128-true-weight (step s with the change reverted or added, minus the profile's):")
+    rows = []
+    for change, overrides, opts in CHANGES:
+        other = timing.predict(profile_run(PROFILES[0], overrides, **opts), dims, fit)
+        moved = max(base.phases, key=lambda k: abs(other.phases[k].s - base.phases[k].s))
+        rows.append((other.step_s - base.step_s, change, other.tps_card, moved))
+    for delta, change, tps, moved in sorted(rows, key=lambda r: -abs(r[0])):
+        print(f"  {change:<46} {delta:+8.1f} s  TPS/card {tps:6.1f}  ({moved})")
+    top = max(rows, key=lambda r: abs(r[0]))
+    print(f"headline: a3-128-true-weight predicted {base.tps_card:.1f} TPS/card vs the reference's 123.16"
+          f" ({base.tps_card / 123.16:.2f}x), {base.tps_card / base.limit_tps_card:.0%} of its limit"
+          f" ({base.limit_tps_card:.0f}); largest of our changes: {top[1]} ({top[0]:+.0f} s without it)")
+
+
+if __name__ == "__main__":
+    main()
