@@ -1,6 +1,9 @@
 """Bytes that pass through verl's single controller per GRPO step: verl's default data flow vs
 TensorCache (`actor_rollout_ref.tensor_cache.enable`), for the A3 batch: 512 prompts x 16 samples =
-8192 sequences, prompt 1024 + response 3072 tokens, Megatron TP4 PP8 DP8 on 256 workers.
+8192 sequences, prompt 1024 + response 3072 tokens, Megatron TP4 PP8 DP8 on 256 workers. TensorCache
+is shown twice: with the advantages sent to every TP x PP replica of a DP rank (its dispatch before
+replica_broadcast.py), and as DP_COMPUTE_CACHED sends them now: once per DP rank, measured by running
+the dispatch on the A3 layout, the other replicas getting them by a broadcast on the devices.
 
 The tensor list is the real one: the fit loop of verl 0.4.0 (verl/trainer/ppo/ray_trainer.py) is
 replayed on a 32-row batch of the real widths with verl's own driver functions (compute_response_mask,
@@ -17,6 +20,7 @@ not change what crosses the driver; it changes the on-device reshard, printed la
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -89,17 +93,37 @@ def default_flow(recompute_old_log_prob: bool) -> list[tuple[str, int, int]]:
 
 def request_bytes() -> int:
     """What DP_COMPUTE_CACHED sends each worker instead of tensors: a CacheRequest with 256 DP ranks."""
-    fields = dict(stage="train", num_rows=B, get_keys=tuple(MODEL_INPUTS) + ("ref_log_prob",), return_keys=(),
-                  meta_info={}, dp_rank_of=tuple(r // TP % DP for r in range(WORKERS)), collect=False)
-    try:
-        from verl.single_controller.base.cached_dispatch import CacheRequest
-    except ImportError:  # the stack's verl predates the dispatch mode: the same fields as a dict
-        return len(pickle.dumps(fields))
-    return len(pickle.dumps(CacheRequest(**fields)))
+    from verl.single_controller.base.cached_dispatch import CacheRequest
+
+    return len(pickle.dumps(CacheRequest(stage="train", num_rows=B, get_keys=tuple(MODEL_INPUTS) + ("ref_log_prob",),
+                                         dp_rank_of=tuple(r // TP % DP for r in range(WORKERS)))))
 
 
-def tensor_cache_flow() -> list[tuple[str, int, int]]:
-    """verl/trainer/ppo/tensor_cache_flow.py: prompts in, responses + attention mask back, advantages in."""
+class A3Group:
+    """What DP_COMPUTE_CACHED reads of the Megatron worker group, in Megatron's rank order (TP, DP, PP)."""
+
+    world_size = WORKERS
+
+    def get_megatron_global_info(self):
+        return SimpleNamespace(pp_size=PP)
+
+    def get_megatron_rank_info(self, rank: int):
+        return SimpleNamespace(tp_rank=rank % TP, dp_rank=rank // TP % DP, pp_rank=rank // (TP * DP), cp_rank=0)
+
+
+def advantages_dispatch() -> tuple[float, int]:
+    """DP_COMPUTE_CACHED's dispatch of the advantages on the A3 layout: how many workers get each row, and
+    the bytes the driver serializes for the workers that get no rows (meta_info apart: counted for all)."""
+    from verl.single_controller.base.cached_dispatch import TRAIN, CacheRequest, dispatch_dp_compute_cached
+
+    (_, host), _ = dispatch_dp_compute_cached(A3Group(), CacheRequest(TRAIN, SMALL), log_probs("advantages"))
+    rows = sum(len(h) for h in host if isinstance(h, DataProto))
+    return rows / SMALL, sum(len(pickle.dumps(h)) for h in host if not isinstance(h, DataProto))
+
+
+def tensor_cache_flow(copies: float, rowless_bytes: int) -> list[tuple[str, int, int]]:
+    """verl/trainer/ppo/tensor_cache_flow.py: prompts in, responses + attention mask back, advantages in,
+    each row to `copies` workers, `rowless_bytes` to the workers that get none."""
     mask = torch.ones(2, P, dtype=torch.long)
     gen_batch = DataProto.from_dict(tensors={"input_ids": torch.zeros(2, P, dtype=torch.long),
                                              "attention_mask": mask, "position_ids": mask.cumsum(-1) - 1})
@@ -111,7 +135,7 @@ def tensor_cache_flow() -> list[tuple[str, int, int]]:
         ("generate_sequences_cached", row_bytes(gen_batch, gen_batch.batch.keys()) * PROMPTS + request * WORKERS,
          row_bytes(out, ["responses", "attention_mask"]) * B),
         ("compute_ref_log_prob_cached", request * WORKERS, 0),
-        ("update_actor_cached", row_bytes(advantages, ["advantages"]) * B * REPLICAS
+        ("update_actor_cached", int(row_bytes(advantages, ["advantages"]) * B * copies) + rowless_bytes
          + (meta_bytes(advantages) + request) * WORKERS, 0),
     ]
 
@@ -143,12 +167,24 @@ def show(name: str, stages) -> float:
 def main() -> None:
     upstream = show("verl 0.4.0 default flow, recompute_old_log_prob=true (verl's default)", default_flow(True))
     a3 = show("verl default flow, A3 profile (on-policy: no old_log_prob stage)", default_flow(False))
-    cached = show("TensorCache (A3 profile)", tensor_cache_flow())
+    every = show(f"TensorCache, advantages to all {REPLICAS} TP x PP replicas (A3 profile)",
+                 tensor_cache_flow(REPLICAS, 0))
+    copies, rowless = advantages_dispatch()
+    once = show(f"TensorCache, advantages once per DP rank ({copies:g} copy, broadcast on the devices)",
+                tensor_cache_flow(copies, rowless))
     peak, total = device_reshard()
     print(f"moved on the devices instead (one all_to_all per input before the ref): {total / 1e9:.1f} GB in all,"
           f" at most {peak / 1e9:.3f} GB into one worker")
-    print(f"driver payload per step: upstream {upstream / 1e9:.1f} GB, A3 default flow {a3 / 1e9:.1f} GB ->"
-          f" TensorCache {cached / 1e9:.2f} GB, ratio {a3 / cached:.1f}x less ({upstream / cached:.1f}x vs upstream)")
+    per_dp = row_bytes(log_probs("advantages"), ["advantages"]) * B / DP
+    print(f"and the advantages, broadcast from one worker to its DP rank's replicas: {per_dp / 1e6:.1f} MB per DP rank")
+    print(f"{'driver payload per step':44} {'GB':>8} {'vs A3 default':>14}")
+    for name, total_bytes in [("verl 0.4.0 default flow", upstream), ("verl default flow, A3 profile", a3),
+                              ("TensorCache, advantages to every replica", every),
+                              ("TensorCache, advantages once per DP rank", once)]:
+        print(f"{name:44} {total_bytes / 1e9:8.3f} {a3 / total_bytes:13.1f}x")
+    print(f"driver payload per step: A3 default flow {a3 / 1e9:.1f} GB -> TensorCache {every / 1e9:.2f} GB ->"
+          f" advantages once per DP rank {once / 1e9:.2f} GB: {a3 / once:.0f}x less than the default flow,"
+          f" {every / once:.1f}x less than TensorCache with per-replica advantages")
 
 
 if __name__ == "__main__":
