@@ -10,7 +10,7 @@ from pathlib import Path
 from tools.model.dims import dims_from_config
 from tools.model.errors import ConfigError
 from tools.model.parallel import ParallelLayout, checked
-from tools.weights import dist, legacy
+from tools.weights import legacy
 from tools.weights.hf import load_config
 from tools.weights.io import CheckpointError, ShardedReader
 
@@ -107,6 +107,8 @@ def run_hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def _torch_dist(args: argparse.Namespace) -> int:
+    from tools.weights import dist  # torch.distributed.checkpoint takes seconds to import: only when used
+
     given = [flag for attr, flag in LAYOUT_FLAGS.items() if getattr(args, attr) not in (None, False)]
     if given:
         raise ConfigError(f"{given[0]} applies to --format legacy: a torch_dist checkpoint has no layout"
@@ -139,5 +141,7 @@ def run_mcore_to_hf(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     if converted_format(args.converted) == "torch_dist":
+        from tools.weights import dist
+
         return 1 if dist.verify_torch_dist(args.src, args.converted, sample=args.sample, seed=args.seed) else 0
     return 1 if legacy.verify(args.src, args.converted, args.sample, args.seed) else 0
