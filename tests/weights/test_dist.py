@@ -50,7 +50,7 @@ def test_same_input_gives_the_same_bytes_and_verify_passes(hf, converted, tmp_pa
         assert (converted / name).read_bytes() == (again / name).read_bytes(), name
     assert dist.verify_torch_dist(hf, converted, **quiet) == []
     one_writer = tmp_path / "one-writer"
-    dist.hf_to_torch_dist(hf, one_writer, workers=1, **quiet)
+    dist.hf_to_torch_dist(hf, one_writer, jobs=1, **quiet)
     assert [p.name for p in one_writer.glob("*.distcp")] == ["__0_0.distcp"]
     assert dist.verify_torch_dist(hf, one_writer, **quiet) == []
     assert not converted.with_name(converted.name + ".partial").exists()
@@ -102,7 +102,7 @@ def test_cli_converts_verifies_and_refuses_layout_flags(hf, tmp_path, capsys):
     assert "decoder.layers.2.mlp.experts.experts.linear_fc1.weight: [4, " in out and not dst.exists()
     assert main(["hf-to-mcore", "--src", str(hf), "--dst", str(dst), "--tp", "2"]) == 2
     assert "--tp applies to --format legacy" in capsys.readouterr().err and not dst.exists()
-    assert main(["hf-to-mcore", "--src", str(hf), "--dst", str(dst), "--workers", "1"]) == 0
+    assert main(["hf-to-mcore", "--src", str(hf), "--dst", str(dst), "--jobs", "1"]) == 0
     assert main(["verify", "--src", str(hf), "--converted", str(dst), "--sample", "5"]) == 0
     assert "5 tensors checked, 0 mismatches" in capsys.readouterr().out
     assert main(["mcore-to-hf", "--src", str(dst), "--config", str(hf), "--dst", str(tmp_path / "back")]) == 2
@@ -236,3 +236,29 @@ def test_megatron_core_model_loads_it_bit_exact(hf, converted, tp, ep, world):
         # The only extra keys are the `_extra_state` objects of TE's attention, which this model lacks.
         assert all(k.endswith("core_attention._extra_state") or "core_attention._extra_state/" in k
                    for k in r["missing"]), r["missing"]
+
+
+def test_jobs_change_the_speed_not_the_bytes(hf, tmp_path):
+    """Several files (a small file_bytes) so that two writers really share them out."""
+    outs = {}
+    for jobs in (1, 2):
+        outs[jobs] = tmp_path / f"jobs{jobs}"
+        dist.hf_to_torch_dist(hf, outs[jobs], jobs=jobs, chunk_bytes=2048, file_bytes=1 << 16, **quiet)
+    files = sorted(p.name for p in outs[1].iterdir())
+    assert len([n for n in files if n.endswith(".distcp")]) >= 3
+    assert files == sorted(p.name for p in outs[2].iterdir())
+    for name in files:
+        assert (outs[1] / name).read_bytes() == (outs[2] / name).read_bytes(), name
+    assert dist.verify_torch_dist(hf, outs[2], **quiet) == []
+
+
+def test_cli_refuses_a_non_positive_jobs(hf, tmp_path, capsys):
+    from tools.weights.cli import main
+
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["hf-to-mcore", "--src", str(hf), "--dst", str(tmp_path / "x"), "--jobs", bad])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --jobs: '{bad}' is not a positive number of writers; give N >= 1" in err, err
+    assert not (tmp_path / "x").exists()

@@ -107,7 +107,7 @@ def test_tp_extend_ep_gives_each_rank_whole_experts(hf, tmp_path):
 
 def test_killed_run_resumes_to_identical_bytes(hf, tmp_path, monkeypatch):
     clean, resumed = tmp_path / "clean", tmp_path / "resumed"
-    legacy.hf_to_legacy(hf, clean, LAYOUTS["tp2-pp2-ep2"], workers=1, **quiet)
+    legacy.hf_to_legacy(hf, clean, LAYOUTS["tp2-pp2-ep2"], jobs=1, **quiet)
     real_save, calls = torch.save, []
 
     def dying_save(obj, path, *args, **kw):
@@ -118,7 +118,7 @@ def test_killed_run_resumes_to_identical_bytes(hf, tmp_path, monkeypatch):
 
     monkeypatch.setattr(legacy.torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        legacy.hf_to_legacy(hf, resumed, LAYOUTS["tp2-pp2-ep2"], workers=1, **quiet)
+        legacy.hf_to_legacy(hf, resumed, LAYOUTS["tp2-pp2-ep2"], jobs=1, **quiet)
     monkeypatch.setattr(legacy.torch, "save", real_save)
     assert not list(resumed.rglob("*.tmp")), "no half-written file under any name"
     assert 2 <= len(list(resumed.rglob("model_optim_rng.pt"))) < 8  # a worker may finish one more file
@@ -278,13 +278,13 @@ def test_builder_matches_build_tensor_with_large_pieces(tmp_path):
 
 
 def test_a_tight_memory_budget_runs_fewer_writers_with_the_same_bytes(hf, tmp_path):
-    free = legacy.hf_to_legacy(hf, tmp_path / "free", LAYOUTS["tp2-pp2-ep2"], workers=2, **quiet)
+    free = legacy.hf_to_legacy(hf, tmp_path / "free", LAYOUTS["tp2-pp2-ep2"], jobs=2, **quiet)
     dims = dims_from_config(load_config(hf))
     layout = checked(dims, LAYOUTS["tp2-pp2-ep2"])
     reader = ShardedReader(hf)
     one = legacy.RankBuilder.memory_needed(reader_spans(reader), hf_shapes(dims), legacy.plan(dims, layout).values())
     said = []
-    tight = legacy.hf_to_legacy(hf, tmp_path / "tight", LAYOUTS["tp2-pp2-ep2"], workers=2,
+    tight = legacy.hf_to_legacy(hf, tmp_path / "tight", LAYOUTS["tp2-pp2-ep2"], jobs=2,
                                 max_memory_gb=1.5 * one / 2**30, say=said.append)
     assert any(line.startswith("1 writer(s), not 2") for line in said), said
     assert tight.files == free.files
@@ -349,3 +349,12 @@ def test_direct_writer_carries_on_when_direct_writes_are_refused(tmp_path, monke
         out.write(data)
     assert not out.direct and len(refused) <= 1  # refused once (where open took O_DIRECT), then page cache
     assert (tmp_path / "f").read_bytes() == data and out.sha.hexdigest() == hashlib.sha256(data).hexdigest()
+
+
+def test_jobs_change_the_speed_not_the_bytes(hf, tmp_path):
+    one = legacy.hf_to_legacy(hf, tmp_path / "one", LAYOUTS["tp2-pp2-ep2"], jobs=1, **quiet)
+    two = legacy.hf_to_legacy(hf, tmp_path / "two", LAYOUTS["tp2-pp2-ep2"], jobs=2, **quiet)
+    assert len(one.files) == 9 and one.files == two.files  # 8 rank files + latest, by sha256
+    for rel in one.files:
+        assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "two" / rel).read_bytes(), rel
+    assert legacy.verify(hf, tmp_path / "two", **quiet) == []

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from tools.model.dims import dims_from_config
 from tools.model.errors import ConfigError
 from tools.model.parallel import ParallelLayout, checked
-from tools.weights import dist, legacy
+from tools.weights import legacy
 from tools.weights.hf import load_config
 from tools.weights.io import CheckpointError, ShardedReader
 
@@ -34,7 +35,9 @@ def register(sub) -> None:
     p.add_argument("--num-layer-list", help="legacy: layers per pipeline stage, e.g. 7,7,8,8,8,8,8,7")
     p.add_argument("--moe-tp-extend-ep", action="store_true", default=None,
                    help="legacy: cut the experts into EP*TP groups instead of splitting each expert over TP")
-    p.add_argument("--workers", type=int, default=2, help="files built and written at once")
+    p.add_argument("--jobs", type=_jobs, default=os.cpu_count() or 1, metavar="N",
+                   help="files built and written at once, as threads (default: one per core, here %(default)s);"
+                   " the output bytes do not depend on it, and --max-memory caps it")
     p.add_argument("--max-memory", type=float, default=16.0, metavar="GB",
                    help="bound on the memory the writers hold; legacy runs fewer writers when it is tight,"
                    " torch_dist writes tensors in row blocks small enough")
@@ -58,6 +61,17 @@ def register(sub) -> None:
     p.add_argument("--sample", type=int, help="check N randomly chosen tensors instead of all")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_verify)
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of writers; give N >= 1"
+                                         " (default: one per core)")
+    return value
 
 
 def converted_format(directory: Path) -> str:
@@ -87,18 +101,23 @@ def run_hf_to_mcore(args: argparse.Namespace) -> int:
         for rel, specs in legacy.plan(dims, layout).items():
             print(f"{rel}: {len(specs)} tensors")
         return 0
-    legacy.hf_to_legacy(args.src, args.dst, layout_args(args), resume=args.resume, workers=args.workers,
+    legacy.hf_to_legacy(args.src, args.dst, layout_args(args), resume=args.resume, jobs=args.jobs,
                         max_memory_gb=args.max_memory, direct_io=not args.buffered_io)
     return 0
 
 
 def _torch_dist(args: argparse.Namespace) -> int:
+    from tools.weights import dist  # torch.distributed.checkpoint takes seconds to import: only when used
+
     given = [flag for attr, flag in LAYOUT_FLAGS.items() if getattr(args, attr) not in (None, False)]
     if given:
         raise ConfigError(f"{given[0]} applies to --format legacy: a torch_dist checkpoint has no layout"
                           " (Megatron reshards it at load), drop the flag or add --format legacy")
-    # Each writer holds one block being written and torch's copy of it.
-    chunk_bytes = max(1 << 20, min(dist.CHUNK_BYTES, int(args.max_memory * 2**30) // (2 * max(1, args.workers))))
+    # Each writer holds one block being written and torch's copy of it. The block size must not
+    # depend on --jobs (it shapes the output): the budget caps the writers instead.
+    budget = int(args.max_memory * 2**30)
+    chunk_bytes = max(1 << 20, min(dist.CHUNK_BYTES, budget // 2))
+    jobs = max(1, min(args.jobs, budget // (2 * chunk_bytes)))
     if args.dry_run:
         dims = dims_from_config(load_config(args.src))
         shapes = dist.check_source(ShardedReader(args.src), dims)
@@ -108,7 +127,7 @@ def _torch_dist(args: argparse.Namespace) -> int:
         for tensor in tensors:
             print(f"{tensor.key}: {list(tensor.shape)} from {len(tensor.chunks)} chunks")
         return 0
-    dist.hf_to_torch_dist(args.src, args.dst, resume=args.resume, workers=args.workers, chunk_bytes=chunk_bytes)
+    dist.hf_to_torch_dist(args.src, args.dst, resume=args.resume, jobs=jobs, chunk_bytes=chunk_bytes)
     return 0
 
 
@@ -122,5 +141,7 @@ def run_mcore_to_hf(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     if converted_format(args.converted) == "torch_dist":
+        from tools.weights import dist
+
         return 1 if dist.verify_torch_dist(args.src, args.converted, sample=args.sample, seed=args.seed) else 0
     return 1 if legacy.verify(args.src, args.converted, args.sample, args.seed) else 0

@@ -22,11 +22,13 @@ import io
 import json
 import math
 import os
+import queue
 import random
 import shutil
 import threading
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import _split_by_size_and_type
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -70,6 +73,8 @@ BACKEND_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
 COMMON_FILE = "common.pt"  # the non-sharded part of the state dict: empty for a model
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CHUNK_BYTES = 256 << 20  # larger tensors are written as blocks of rows: bounds each writer's memory
+FILE_BYTES = 4 << 30  # one .distcp file per this much input (at most MAX_FILES): writers take whole files
+MAX_FILES = 64
 
 
 @dataclass(frozen=True)
@@ -256,9 +261,27 @@ class _LazySavePlanner(SavePlanner):
         return data
 
 
+def file_count(total_bytes: int, file_bytes: int = FILE_BYTES) -> int:
+    """How many .distcp files a checkpoint of `total_bytes` is split into: from the input alone, so
+    the bytes written do not depend on how many threads write them."""
+    return max(1, min(MAX_FILES, -(-total_bytes // file_bytes)))
+
+
 class _DeterministicWriter(FileSystemWriter):
     """DCP stamps ids and paths into .metadata (StorageMeta); we store none, so the same input always
-    gives the same bytes (Megatron does not read it)."""
+    gives the same bytes (Megatron does not read it). DCP writes one file per thread; here the items
+    are split into `files` files (DCP's own size balancing) and `jobs` threads take them in turn."""
+
+    def __init__(self, path: Path, files: int, jobs: int):
+        super().__init__(path, thread_count=max(1, min(jobs, files)))
+        self.files = files
+
+    def write_data(self, plan, planner):
+        todo: queue.Queue = queue.Queue()
+        for i, bucket in enumerate(_split_by_size_and_type(self.files, plan.items)):
+            name = f"{plan.storage_data.prefix}{i}.distcp"
+            todo.put((self.fs.concat_path(self.path, name), name, bucket))
+        return self._write_data(planner, todo)
 
     def storage_meta(self):
         return None
@@ -307,9 +330,11 @@ def _finished(dst: Path, head: dict) -> bool:
         (dst / rel).is_file() and sha256(dst / rel) == digest for rel, digest in recorded["files"].items())
 
 
-def hf_to_torch_dist(src: Path, dst: Path, *, resume: bool = False, workers: int = 2,
-                     chunk_bytes: int = CHUNK_BYTES, say=print) -> None:
-    """Convert; the checkpoint appears at `dst` only when complete (built in `<dst>.partial`)."""
+def hf_to_torch_dist(src: Path, dst: Path, *, resume: bool = False, jobs: int = 2,
+                     chunk_bytes: int = CHUNK_BYTES, file_bytes: int = FILE_BYTES, say=print) -> None:
+    """Convert; the checkpoint appears at `dst` only when complete (built in `<dst>.partial`).
+    `jobs` threads write the .distcp files (each holds one chunk and torch's copy of it), then hash
+    them; the bytes depend on `chunk_bytes` and `file_bytes`, not on `jobs`."""
     config = load_config(src)
     dims = dims_from_config(config, str(src / "config.json"))
     head = header(config, chunk_bytes)
@@ -339,13 +364,15 @@ def hf_to_torch_dist(src: Path, dst: Path, *, resume: bool = False, workers: int
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp_save({}, storage_writer=_DeterministicWriter(partial, thread_count=max(1, workers)),
+            dcp_save({}, storage_writer=_DeterministicWriter(partial, file_count(total, file_bytes), jobs),
                      planner=planner, no_dist=True)
     finally:
         source.close()
     torch.save({}, partial / COMMON_FILE)
     (partial / "metadata.json").write_text(json.dumps(BACKEND_CONFIG))
-    files = {p.name: sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+    written = sorted(p for p in partial.iterdir() if p.is_file())
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # hashlib lets go of the GIL
+        files = dict(zip((p.name for p in written), pool.map(sha256, written), strict=True))
     manifest = {"header": head, "files": files}
     (partial / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     if dst.exists():

@@ -230,9 +230,9 @@ def _file_bytes(specs: list[RankTensor], shapes: dict, itemsize: int = 2) -> int
     return total
 
 
-def hf_to_legacy(src: Path, dst: Path, layout: ParallelLayout, *, resume: bool = False, workers: int = 2,
+def hf_to_legacy(src: Path, dst: Path, layout: ParallelLayout, *, resume: bool = False, jobs: int = 2,
                  max_memory_gb: float = 16.0, direct_io: bool = True, say=print) -> Manifest:
-    """Write the rank files. Each of `workers` threads builds one file at a time in memory it keeps
+    """Write the rank files. Each of `jobs` threads builds one file at a time in memory it keeps
     (`RankBuilder`) and streams it through torch.save into a `DirectWriter` (hashed as written,
     around the page cache unless `direct_io` is False); the bytes do not depend on either."""
     config = load_config(src)
@@ -262,9 +262,9 @@ def hf_to_legacy(src: Path, dst: Path, layout: ParallelLayout, *, resume: bool =
     tick = progress(sum(sizes[r] for r in todo), "hf-to-mcore")
     # Each writer keeps its buffers warm between files (see RankBuilder), so the budget caps how
     # many writers run: together they never hold more than --max-memory.
-    writers = max(1, min(workers, len(todo), budget // per_writer))
-    if writers < min(workers, len(todo)):
-        say(f"{writers} writer(s), not {workers}: each holds up to {per_writer / 2**30:.2f} GB and"
+    writers = max(1, min(jobs, len(todo), budget // per_writer))
+    if writers < min(jobs, len(todo)):
+        say(f"{writers} writer(s), not {jobs}: each holds up to {per_writer / 2**30:.2f} GB and"
             f" --max-memory is {max_memory_gb} GB")
     fds = {path: os.open(path, os.O_RDONLY) for path in {span.path for span in spans.values()}}
     builders: queue.SimpleQueue[RankBuilder] = queue.SimpleQueue()
