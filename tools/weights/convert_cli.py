@@ -12,7 +12,7 @@ from tools.model.errors import ConfigError
 from tools.model.parallel import ParallelLayout, checked
 from tools.weights import legacy
 from tools.weights.hf import load_config
-from tools.weights.io import CheckpointError, ShardedReader
+from tools.weights.io import CheckpointError, ShardedReader, thread_count
 
 LAYOUT_FLAGS = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "num_layer_list": "--num-layer-list",
                 "moe_tp_extend_ep": "--moe-tp-extend-ep"}
@@ -35,7 +35,7 @@ def register(sub) -> None:
     p.add_argument("--num-layer-list", help="legacy: layers per pipeline stage, e.g. 7,7,8,8,8,8,8,7")
     p.add_argument("--moe-tp-extend-ep", action="store_true", default=None,
                    help="legacy: cut the experts into EP*TP groups instead of splitting each expert over TP")
-    p.add_argument("--jobs", type=_jobs, default=os.cpu_count() or 1, metavar="N",
+    p.add_argument("--jobs", type=thread_count("writers"), default=os.cpu_count() or 1, metavar="N",
                    help="files built and written at once, as threads (default: one per core, here %(default)s);"
                    " the output bytes do not depend on it, and --max-memory caps it")
     p.add_argument("--max-memory", type=float, default=16.0, metavar="GB",
@@ -63,15 +63,6 @@ def register(sub) -> None:
     p.set_defaults(func=run_verify)
 
 
-def _jobs(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of writers; give N >= 1"
-                                         " (default: one per core)")
-    return value
 
 
 def converted_format(directory: Path) -> str:

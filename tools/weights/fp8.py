@@ -49,6 +49,7 @@ from tools.weights.io import (
     ShardedReader,
     atomic_write,
     progress,
+    thread_count,
 )
 
 SCALE_SUFFIX = "_scale_inv"
@@ -486,11 +487,6 @@ interruption `--resume` verifies finished shards, skips them and converts the re
 """
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number of workers")
-    return value
 
 
 def register(sub) -> None:
@@ -498,7 +494,7 @@ def register(sub) -> None:
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--src", type=Path, required=True, help="HF checkpoint with FP8 weights and _scale_inv")
     p.add_argument("--dst", type=Path, required=True, help="output directory (empty, or a previous run with --resume)")
-    p.add_argument("--workers", type=_positive, default=DEFAULT_WORKERS,
+    p.add_argument("--workers", type=thread_count("workers"), default=DEFAULT_WORKERS,
                    help=f"shards converted at once, as threads (default: one per core, at most 8: {DEFAULT_WORKERS});"
                    " each holds only a few MB")
     p.add_argument("--resume", action="store_true", help="continue a previous run into --dst, keeping verified shards")

@@ -7,6 +7,7 @@ a sha256 per finished file, which is how a resumed run knows what it may skip.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
 import json
@@ -374,3 +375,18 @@ class DirectWriter:
             except Exception:  # noqa: S110 - the first error is the one to raise
                 pass
         self.close()
+
+
+def thread_count(noun: str) -> Callable[[str], int]:
+    """An argparse type for a number of threads >= 1; the error names what they are (`writers`, `workers`)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of {noun}; give N >= 1"
+                                             " (default: one per core)")
+        return value
+
+    return parse
