@@ -294,8 +294,9 @@ def failure(p: Prepared, fault: faults.Fault | None) -> str:
     error = last_error(log)
     what = (fault.message() + (f"; the trainer's last error: {error}" if error else "") if fault
             else f"the trainer failed: {error or 'no error line'} (see {log})")
-    found = resume.latest(checkpoint_dir(p))
-    full = disk_full(checkpoint_dir(p), found.nbytes if found else 0)
+    ckpt = checkpoint_dir(p)
+    found = resume.latest(ckpt)
+    full = disk_full(ckpt, found.nbytes if found else 0)
     if full:
         what += f". {full}"
     if found is None:
