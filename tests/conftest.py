@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -17,6 +18,14 @@ from tests.threads import RAY_CLIENT_THREADS, native_threads
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
 _status: list[int] = []
+_STARTED = time.monotonic()
+SLOW_PHASE_S = 60.0  # named as it ends: a CI run cut off at its time limit still shows where the time went
+
+
+def pytest_runtest_logreport(report):
+    if report.duration >= SLOW_PHASE_S:
+        print(f"\nslow: {report.nodeid} ({report.when}) {report.duration:.0f} s,"
+              f" {time.monotonic() - _STARTED:.0f} s into the session", file=sys.stderr, flush=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

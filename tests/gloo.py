@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
 import socket
+import sys
+import time
 
 import torch.multiprocessing as mp
+
+# A hung collective fails its test after this long with every rank's stack, instead of holding CI until its own
+# limit; the slowest run_processes test takes about 100 s on 2 cores.
+DEADLINE_S = 900.0
 
 
 def free_port() -> int:
@@ -15,20 +23,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(worker, world: int, *args, start_method: str = "fork") -> dict:
+def run_processes(worker, world: int, *args, start_method: str = "fork", deadline_s: float = DEADLINE_S) -> dict:
     """Run `worker(rank, port, *args, results)` in `world` processes; returns results[rank] by rank.
 
     Fork (the default) lets the workers inherit imported modules (importing verl costs seconds each);
     spawn is for callers whose process already runs threads that a fork could deadlock on.
-    The workers start gloo on 127.0.0.1:port themselves.
+    The workers start gloo on 127.0.0.1:port themselves. Ranks still running after `deadline_s` print their
+    stacks (faulthandler on SIGUSR1), are killed, and the call raises TimeoutError naming them.
     """
     with mp.Manager() as manager:  # its server process ends here, not at interpreter exit
         results = manager.dict()
-        mp.start_processes(worker, args=(free_port(), *args, results), nprocs=world, join=True,
-                           start_method=start_method)
+        context = mp.start_processes(_traced, args=(worker, free_port(), *args, results), nprocs=world, join=False,
+                                     start_method=start_method)
+        _join_by(context, time.monotonic() + deadline_s)
         collected = dict(results)
     assert len(collected) == world, f"only ranks {sorted(collected)} reported"
     return collected
+
+
+def _traced(rank, worker, *args):
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    worker(rank, *args)
+
+
+def _join_by(context, deadline: float) -> None:
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() < deadline:
+            continue
+        hung = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+        for rank in hung:
+            os.kill(context.processes[rank].pid, signal.SIGUSR1)
+        time.sleep(2)  # let them write their stacks
+        for p in context.processes:
+            p.kill()
+        raise TimeoutError(f"ranks {hung} still ran after the deadline; their stacks are on stderr above")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,31 @@
+"""The collective tests' process runner fails a hung rank with its stack rather than waiting forever."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.gloo import run_processes
+
+
+def _one_rank_hangs(rank, port, results):
+    if rank == 1:
+        time.sleep(120)  # a rank stuck in a collective whose peer is gone
+    results[rank] = rank
+
+
+def test_a_hung_rank_is_named_and_its_stack_printed(capfd):
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] still ran"):
+        run_processes(_one_rank_hangs, 2, deadline_s=3)
+    assert time.monotonic() - started < 30
+    assert "_one_rank_hangs" in capfd.readouterr().err
+
+
+def test_ranks_that_finish_report_their_results():
+    assert run_processes(_done, 2) == {0: 0, 1: 1}
+
+
+def _done(rank, port, results):
+    results[rank] = rank
