@@ -267,3 +267,12 @@ def test_a_rank_fault_becomes_its_nodes_once_ray_declares_the_node_dead():
     clock = iter(range(100)).__next__
     assert faults.settle(lambda: rank, rank, timeout_s=20, sleep=lambda _: None, clock=clock) is rank
     assert faults.settle(lambda: pytest.fail("a node fault is final"), node) is node
+
+
+def test_the_wait_for_a_node_verdict_counts_from_when_its_ranks_were_seen_dead():
+    """Stopping the job takes seconds of Ray's health-check window: they count, the window does not restart."""
+    rank = faults.Fault((2,), "10.0.0.3", (4711,), "generate_sequences", False, seen_at=100.0)
+    scans = []
+    clock = iter(range(112, 200)).__next__  # the job stopped 12 s after the fault was seen
+    assert faults.settle(lambda: scans.append(1), rank, timeout_s=20, sleep=lambda _: None, clock=clock) is rank
+    assert len(scans) == 8

@@ -83,15 +83,17 @@ def run_with_fault(cmd: list[str], dashboard: str, when, fault, timeout_s: float
             injected = fault(pids)
         else:
             time.sleep(0.01)
-    if proc.poll() is None:
+    ran_past = proc.poll() is None
+    if ran_past:
         proc.kill()
-        pytest.fail(f"{cmd} ran past {timeout_s} s")
     reader.join(10)
     faulted = [t for t, line in lines if line.startswith("fault: ")]
     run_dir = (Path(cmd[cmd.index("--resume") + 1]) if "--resume" in cmd
                else Path(cmd[cmd.index("--logs") + 1]) / cmd[cmd.index("--run-id") + 1])
     if run_dir.is_dir():  # the launcher's output, kept with the run for the reader of a failing test
         (run_dir / f"launcher-{int(started)}.out").write_text("".join(line for _, line in lines))
+    if ran_past:
+        pytest.fail(f"{cmd} ran past {timeout_s} s; its output is in {run_dir}")
     return {"rc": proc.returncode, "out": "".join(line for _, line in lines), "injected": injected, "lines": lines,
             "started": started, "fault_seen_at": faulted[0] if faulted else None, "ended": time.time()}
 

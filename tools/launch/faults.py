@@ -36,6 +36,7 @@ class Fault:
     node_died: bool
     actor_ids: frozenset[str] = frozenset()  # every dead worker seen, to ignore in a later scan
     after: tuple[int, ...] = ()  # ranks that died after these (their collectives failed)
+    seen_at: float = 0.0  # time.monotonic() of the scan that found it
 
     def message(self) -> str:
         who = (f"node {self.node} left the cluster with rank(s) {_ranks(self.ranks)}" if self.node_died
@@ -101,18 +102,21 @@ def scan(address: str, ignore: frozenset[str] = frozenset()) -> Fault | None:
     ranks = tuple(sorted(r for a in chosen if (r := _rank(a)) is not None))
     after = tuple(sorted(r for a in dead if a not in chosen and (r := _rank(a)) is not None))
     return Fault(ranks, node, tuple(a.pid for a in chosen if a.pid), phase_of([t.name for t in tasks[first.actor_id]]),
-                 bool(on_dead_node), frozenset(a.actor_id for a in dead), after)
+                 bool(on_dead_node), frozenset(a.actor_id for a in dead), after, time.monotonic())
 
 
-NODE_DEATH_S = 20.0  # Ray's raylet health check: a period of 3 s x 5 misses, and a poll
+# Ray's raylet health check misses 5 checks 3 s apart before the GCS declares a node dead: 16.8 s from SIGKILL to
+# DEAD measured on an idle 2-core machine; the rest is margin for a GCS on a busy head.
+NODE_DEATH_S = 30.0
 
 
 def settle(scan_once, fault: Fault, timeout_s: float = NODE_DEATH_S, poll_s: float = 1.0,
            sleep=time.sleep, clock=time.monotonic) -> Fault:
     """The fault as Ray states it once it had time to declare a lost node. The ranks of a node that went away are
     seen dead seconds before the node is (their owner notices the broken connection first, the health check needs
-    its misses), so a rank fault is scanned again until its node is declared dead or `timeout_s` has passed."""
-    deadline = clock() + timeout_s
+    its misses), so a rank fault is scanned again until its node is declared dead or `timeout_s` has passed since
+    the fault was first seen."""
+    deadline = fault.seen_at + timeout_s
     while not fault.node_died and clock() < deadline:
         again = scan_once()
         if again is not None and again.node_died:
