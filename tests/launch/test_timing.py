@@ -94,12 +94,17 @@ def test_driver_accounting_matches_the_replay_of_verls_fit_loop():
     assert ours["rollout"] == pytest.approx(replay["generate_sequences"], rel=1e-3)
     assert ours["ref"] == pytest.approx(replay["compute_ref_log_prob"], rel=1e-3)
     assert ours["update"] == pytest.approx(replay["update_actor"], rel=1e-3)
-    # the model still counts the TensorCache flow that sends every row to all TP x PP replicas (its driver seconds
-    # are an upper bound since the advantages go once per DP rank)
-    cached = {name: sent + back for name, sent, back in payload.tensor_cache_flow(payload.REPLICAS, 0)}
-    ours = {stage: sum(b) for stage, b in timing.driver_bytes(run, tensor_cache=True).items()}
-    assert ours["rollout"] == pytest.approx(cached["generate_sequences_cached"], rel=1e-3)
-    assert ours["update"] == pytest.approx(cached["update_actor_cached"], rel=1e-2)
+    # TensorCache as the series runs it (the advantages to one worker per DP rank, which broadcasts them), and as
+    # the reference's did (to every TP x PP replica); the model leaves out the kilobytes of meta data per worker
+    copies, rowless = payload.advantages_dispatch()
+    for per_dp, flow in ((True, payload.tensor_cache_flow(copies, rowless)),
+                         (False, payload.tensor_cache_flow(payload.REPLICAS, 0))):
+        cached = {name: sent + back for name, sent, back in flow}
+        opts = dataclasses.replace(run.opts, advantages_per_dp=per_dp)
+        ours = {stage: sum(b) for stage, b in
+                timing.driver_bytes(dataclasses.replace(run, opts=opts), tensor_cache=True).items()}
+        assert ours["rollout"] == pytest.approx(cached["generate_sequences_cached"], rel=1e-3)
+        assert ours["update"] == pytest.approx(cached["update_actor_cached"], rel=0.08 if per_dp else 1e-2), per_dp
 
 
 @pytest.mark.parametrize("pub", refs.HELD_OUT, ids=["random-init", "r1_ascend"])

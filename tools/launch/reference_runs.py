@@ -42,7 +42,8 @@ class Published:
     def run(self) -> timing.Run:
         cfg = config.load(CONFIGS / f"{self.profile}.yaml", list(self.overrides)).cfg
         run = timing.run_from_config(cfg)
-        return replace(run, opts=replace(run.opts, packed=self.packed), work=self.workload)
+        # none of them sends TensorCache's advantages once per DP rank: that is our series'
+        return replace(run, opts=replace(run.opts, packed=self.packed, advantages_per_dp=False), work=self.workload)
 
     def dims(self) -> Dims:
         return dims_from_config(config.model_dims(config.load(CONFIGS / f"{self.profile}.yaml"))[0])

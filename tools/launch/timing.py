@@ -122,9 +122,11 @@ class Options:
     # Not keys. Our verl series packs each micro-batch's sequences (model_forward.py pack_seqs=True); the
     # reference's model_forward.py pads every row to the micro-batch's longest (pack_seqs=False). The rollout
     # rebalancer is in our series but not called by the rollout yet: rebalance=True models its limit (free moves at
-    # every step, rollout_sim.pooled_ms).
+    # every step, rollout_sim.pooled_ms). Our series sends TensorCache's advantages once per DP rank, which
+    # broadcasts them to its TP x PP replicas on the devices; the reference's TensorCache sends every replica a copy.
     packed: bool = True
     rebalance: bool = False
+    advantages_per_dp: bool = True
 
 
 @dataclass(frozen=True)
@@ -378,14 +380,14 @@ def driver_bytes(run: Run, tensor_cache: bool | None = None) -> dict[str, tuple[
     """(Bytes sent, bytes collected) by verl's single controller per stage (the tensor list of
     benchmarks/driver_payload.py, which replays verl 0.4.0's fit loop): a Megatron call sends the whole batch to
     each of the TP x PP workers of every DP rank; the rollout sends each worker its own prompts. TensorCache keeps
-    the batch on the workers: prompts in, responses and masks back, advantages in. Meta data and cache requests
-    (kilobytes) are left out."""
+    the batch on the workers: prompts in, responses and masks back, advantages in, once per DP rank or to every
+    replica (Options.advantages_per_dp). Meta data and cache requests (kilobytes per worker) are left out."""
     lay, opts = run.lay, run.opts
     p, r, rows, replicas = lay.prompt_len, lay.response_len, lay.sequences, lay.train.model_parallel
     prompts_in = lay.train_batch * 3 * INT64 * p  # input_ids, attention_mask, position_ids
     if opts.tensor_cache if tensor_cache is None else tensor_cache:
         return {"rollout": (prompts_in, rows * INT64 * (r + p + r)), "old_log_prob": (0.0, 0.0), "ref": (0.0, 0.0),
-                "update": (rows * FP32 * r * replicas, 0.0)}
+                "update": (rows * FP32 * r * (1 if opts.advantages_per_dp else replicas), 0.0)}
     row = INT64 * (p + r + 3 * (p + r)) + (FP32 * r if opts.calculate_log_probs else 0)  # what the rollout returns
     out = {"rollout": (prompts_in, rows * row)}
     row += INT64 * r  # response_mask
