@@ -51,10 +51,12 @@ def _ray_processes(since: float = 0.0) -> dict[int, list[str]]:
     return found
 
 
-# rollout (HF engine, bf16) versus the update's own forward (Megatron, bf16) on the sampled tokens, per step: measured
-# 0.005-0.007 mean, 0.15-0.25 max over 3 steps (fp32 gives 1e-4 mean: tests/verl/test_megatron_matches_hf.py). Before
-# the grouped-routing fix the two models routed differently: 0.06 mean, 0.38 max, which these bounds refuse.
-LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 0.02, 0.5
+# rollout (vLLM, bf16) versus the update's own forward (Megatron, bf16) on the sampled tokens, per step. The mean is
+# the check: 0.0105-0.0130 over 3 steps from the warm start, on two machines (0.005-0.007 from random weights; fp32
+# gives 1e-4: tests/verl/test_megatron_matches_hf.py); before the grouped-routing fix the two models routed
+# differently, 0.06. The max is one token of a peaked distribution, where bf16 moves a small probability's log by
+# a lot: 0.57-2.47 from the warm start, so its bound only refuses wild values; the mean is what discriminates.
+LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 0.02, 5.0
 
 
 @pytest.fixture(scope="module", params=["megatron", "fsdp"])
