@@ -99,7 +99,11 @@ class Project:
 @pytest.fixture(autouse=True)
 def isolated_git(tmp_path_factory, monkeypatch):
     """No user or system git configuration leaks in; the download cache is per test."""
-    home = tmp_path_factory.mktemp("home")
+    return isolate_git(tmp_path_factory.mktemp("home"), monkeypatch)
+
+
+def isolate_git(home: Path, monkeypatch) -> Path:
+    """Git reads only a config of the tests' own (an identity, main as the first branch), none of the machine's."""
     gitconfig = home / "gitconfig"
     gitconfig.write_text("[user]\n\tname = Test User\n\temail = test@example.invalid\n"
                          "[init]\n\tdefaultBranch = main\n[protocol \"file\"]\n\tallow = always\n")

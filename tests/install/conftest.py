@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forks.conftest import commit, git
+from tests.forks.conftest import commit, git, isolate_git
 from tools.forks import manifest as manifest_mod
 from tools.install.plan import Context
 
@@ -81,6 +81,7 @@ class FakeStack:
 
 @pytest.fixture
 def fake_stack(tmp_path, monkeypatch) -> FakeStack:
+    isolate_git(tmp_path, monkeypatch)  # the fake upstreams' commits need an identity, not the machine's
     root = tmp_path / "project"
     (root / "third_party").mkdir(parents=True)
     git(root, "init", "-q")
