@@ -7,6 +7,7 @@ RANK in their env), so `faults.scan` reads them as it reads verl's.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -276,3 +278,34 @@ def test_the_wait_for_a_node_verdict_counts_from_when_its_ranks_were_seen_dead()
     clock = iter(range(112, 200)).__next__  # the job stopped 12 s after the fault was seen
     assert faults.settle(lambda: scans.append(1), rank, timeout_s=20, sleep=lambda _: None, clock=clock) is rank
     assert len(scans) == 8
+
+
+def test_a_lost_nodes_workers_recorded_as_owner_died_still_name_the_node(monkeypatch):
+    """As Ray answered in the e2e node test: ranks 2, 3 crashed when their peers went (WORKER_DIED); ranks 0, 1, on
+    the killed node, were recorded OWNER_DIED once the job was stopped, before the health check declared the node
+    dead. Until then the fault is rank 2's; after it, the node's."""
+    import ray.util.state as state
+
+    def actor(rank, node, reason, pid):
+        return SimpleNamespace(name=f"abcWorkerDict_{rank // 2}:{rank % 2}", actor_id=f"a{rank}", node_id=node,
+                               pid=pid, serialized_runtime_env=json.dumps({"env_vars": {"RANK": str(rank)}}),
+                               death_cause={"actor_died_error_context": {"reason": reason}})
+
+    actors = [actor(0, "worker", "OWNER_DIED", 10), actor(1, "worker", "OWNER_DIED", 11),
+              actor(2, "head", "WORKER_DIED", 12), actor(3, "head", "WORKER_DIED", 13)]
+    nodes = {"head": SimpleNamespace(node_id="head", node_ip="10.0.0.2"),
+             "worker": SimpleNamespace(node_id="worker", node_ip="10.0.0.3")}
+    dead_nodes: list[str] = []
+
+    def list_nodes(filters, **_):
+        (key, _, value), = filters
+        return [n for n in nodes.values() if (n.node_id in dead_nodes if key == "state" else n.node_id == value)]
+
+    monkeypatch.setattr(state, "list_nodes", list_nodes)
+    monkeypatch.setattr(state, "list_actors", lambda **_: actors)
+    monkeypatch.setattr(state, "list_tasks", lambda **_: [])
+    assert faults.scan("http://fake").message() == "rank 2 (pid 12 on 10.0.0.2) died (then rank(s) 3)"
+    dead_nodes.append("worker")
+    fault = faults.scan("http://fake")
+    assert fault.message() == "node 10.0.0.3 left the cluster with rank(s) 0, 1 (then rank(s) 2, 3)"
+    assert fault.node_died and fault.pids == (10, 11)

@@ -83,14 +83,17 @@ def _died_at(tasks: list) -> float:
 def scan(address: str, ignore: frozenset[str] = frozenset()) -> Fault | None:
     """A verl worker that died unasked (its process or its node) in the cluster whose dashboard is at `address`
     (http://host:port); actors whose id is in `ignore` do not count. A rank's death takes its peers down with it
-    within moments (their collectives fail): the one whose last call failed first is named, the others after it."""
+    within moments (their collectives fail): the one whose last call failed first is named, the others after it.
+    A worker on a dead node counts whatever reason Ray recorded: once the job is stopped for its peers, Ray may
+    record a lost node's workers as OWNER_DIED (the driver went first) before it declares the node dead."""
     from ray.util.state import list_actors, list_nodes
 
     dead_nodes = {n.node_id: n.node_ip for n in list_nodes(address=address, filters=[("state", "=", "DEAD")],
                                                                  raise_on_missing_output=False)}
     dead = [a for a in list_actors(address=address, filters=[("state", "=", "DEAD")], detail=True, limit=10000,
                                     raise_on_missing_output=False)
-            if a.name and WORKER.search(a.name) and _reason(a) in FAULT_REASONS and a.actor_id not in ignore]
+            if a.name and WORKER.search(a.name) and a.actor_id not in ignore
+            and (_reason(a) in FAULT_REASONS or a.node_id in dead_nodes)]
     if not dead:
         return None
     tasks = {a.actor_id: _unfinished_tasks(address, a.actor_id) for a in dead}
