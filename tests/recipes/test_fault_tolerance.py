@@ -260,6 +260,8 @@ def head_killed(logs, small_disk, disk_full):
         time.sleep(0.5)
     run["left"], run["gone_after"] = left, time.time() - run["injected"]["killed_at"]
     faults.stop_processes(left)  # should the test fail, the next one must not find them
+    # the run goes on for seconds without its launcher: it may finish step 3 and save it before its processes exit
+    run["tracked"] = resume.tracked_step(small_disk / "disk")
     return run
 
 
@@ -288,9 +290,13 @@ def test_the_run_ends_by_itself_when_the_head_launcher_is_killed(head_killed, lo
 
 
 @pytest.mark.long
-def test_the_run_resumed_after_the_disk_and_head_faults_equals_the_straight_run(disk_finished, straight, logs):
-    assert disk_finished["rc"] == 0, disk_finished["out"][-3000:]
-    assert "resume: continues disk from step 2 (" in disk_finished["out"]
+def test_the_run_resumed_after_the_disk_and_head_faults_equals_the_straight_run(disk_finished, head_killed, straight,
+                                                                               logs):
+    out, tracked = disk_finished["out"], head_killed["tracked"]
+    assert disk_finished["rc"] == 0, out[-3000:]
+    assert tracked in (2, 3) and f"resume: continues disk from step {tracked} (" in out, out[-3000:]
+    # resumed from the last step's checkpoint, the trainer must end without a step past the run's end
+    assert ("Resumed at step 3 of 3: the run is complete" in out) == (tracked == 3), out[-3000:]
     assert_same_steps(logs / "disk", straight["run_dir"])
 
 
