@@ -10,7 +10,8 @@ command that continues it. The finished run must equal the straight one step by 
 Two more runs, marked `long` (beyond CI's time; `pytest -m long` runs them), are cut and finished the same way:
 - "disk": checkpoints on a tmpfs that holds one checkpoint: the save of step 2 fills it; after the disk is made
   larger the resume is cut by SIGKILL to the head's launcher itself mid-step 3 (every process of the run must exit
-  by itself), and a second resume finishes;
+  by itself), and a second resume finishes (or, when the headless run still saved step 3 before it exited, ends
+  at once with nothing left to train);
 - "node": two Ray nodes on this machine (the launcher's head and a worker node started as a worker launcher starts
   it); the worker node is killed mid-step 2, and a resume with a new worker node finishes.
 Without the model, these faults are also tested in tests/launch/test_faults.py.
