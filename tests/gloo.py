@@ -23,6 +23,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int, attempts: int = 100) -> int:
+    """The first of `count` consecutive ports that are all free now, for a program that takes a base port and adds
+    to it (vLLM's DP groups: dp_groups.PORT_STRIDE per group)."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + count <= 65536 and all(_bindable(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1 in {attempts} tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def run_processes(worker, world: int, *args, start_method: str = "fork", deadline_s: float = DEADLINE_S) -> dict:
     """Run `worker(rank, port, *args, results)` in `world` processes; returns results[rank] by rank.
 

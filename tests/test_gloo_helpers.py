@@ -29,3 +29,19 @@ def test_ranks_that_finish_report_their_results():
 
 def _done(rank, port, results):
     results[rank] = rank
+
+
+def test_free_ports_gives_a_block_that_can_all_be_bound_and_skips_one_with_a_taken_port(monkeypatch):
+    import socket
+
+    from tests import gloo
+
+    base = gloo.free_ports(32)
+    assert all(gloo._bindable(base + i) for i in range(32))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 5))
+        taken.listen()
+        other = gloo.free_ports(32)
+        candidates = iter([base, other])  # the block with the taken port is offered first
+        monkeypatch.setattr(gloo, "free_port", lambda: next(candidates))
+        assert gloo.free_ports(32) == other

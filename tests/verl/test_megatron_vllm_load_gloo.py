@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.gloo import run_processes
+from tests.gloo import free_ports, run_processes
 from tests.verl.conftest import require
 from tests.verl.test_megatron_hf_sync_gloo import LAYER_NAME_MAPPING, fake_model, megatron_shards
 
@@ -30,6 +30,7 @@ megatron_vllm = require("verl.workers.sharding_manager.megatron_vllm")
 rollout_lifecycle = require("verl.workers.sharding_manager.rollout_lifecycle")
 plan = require("verl.utils.reshard.plan")
 experts = require("verl.utils.reshard.experts")
+dp_groups = require("verl.workers.rollout.vllm_rollout.dp_groups")
 
 HF_ATTN = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
@@ -119,7 +120,7 @@ def _reversed_ownership(monkeypatch_targets):
     experts_module.rollout_experts = owned
 
 
-def _worker(rank, port, path, results):
+def _worker(rank, port, path, dp_port, results):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -146,7 +147,7 @@ def _worker(rank, port, path, results):
         from verl.workers.rollout.vllm_rollout.dp_groups import dp_env
         from vllm import LLM
 
-        os.environ.update(dp_env(rank, ["127.0.0.1"] * 4, tp=1, dp=2, base_port=port + 1000))
+        os.environ.update(dp_env(rank, ["127.0.0.1"] * 4, tp=1, dp=2, base_port=dp_port))
         llm = LLM(model=path, load_format="dummy", dtype="bfloat16", distributed_executor_backend="external_launcher",
                   tensor_parallel_size=1, enable_expert_parallel=True, enforce_eager=True, max_model_len=64,
                   max_num_seqs=4, max_num_batched_tokens=64, seed=0, enable_prefix_caching=False)
@@ -177,7 +178,8 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.slow
 def test_directed_sync_writes_every_vllm_parameter_with_the_checkpoint_and_experts_where_vllm_maps_them(tiny):
-    results = run_processes(_worker, 4, tiny, start_method="spawn")
+    dp_port = free_ports(2 * dp_groups.PORT_STRIDE)  # two DP groups (one per rollout instance)
+    results = run_processes(_worker, 4, tiny, dp_port, start_method="spawn")
     for rank, r in sorted(results.items()):
         good = r["good"]
         assert good["params"] > 30 and good["unknown"] == [], (rank, good["unknown"])
