@@ -42,11 +42,12 @@ def _bindable(port: int) -> bool:
         return True
 
 
-def run_processes(worker, world: int, *args, start_method: str = "fork", deadline_s: float = DEADLINE_S) -> dict:
+def run_processes(worker, world: int, *args, start_method: str = "spawn", deadline_s: float = DEADLINE_S) -> dict:
     """Run `worker(rank, port, *args, results)` in `world` processes; returns results[rank] by rank.
 
-    Fork (the default) lets the workers inherit imported modules (importing verl costs seconds each);
-    spawn is for callers whose process already runs threads that a fork could deadlock on.
+    Spawn (the default): by the time these tests run, the pytest process holds Ray's, gRPC's and tokenizers'
+    threads, and a fork copies their half-held locks (a forked rank died with glibc's "double free or corruption"
+    in a full run). Fork is faster (the workers inherit imported modules) where the caller knows it has no threads.
     The workers start gloo on 127.0.0.1:port themselves. Ranks still running after `deadline_s` print their
     stacks (faulthandler on SIGUSR1), are killed, and the call raises TimeoutError naming them.
     """

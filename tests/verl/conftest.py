@@ -11,7 +11,7 @@ def require(module: str):
 
 
 def run_forked(worker, world: int, *args) -> dict:
-    """`worker(rank, port, *args, results)` in `world` forked processes (see tests/gloo.py)."""
+    """`worker(rank, port, *args, results)` in `world` processes, spawned (see tests/gloo.py)."""
     from tests.gloo import run_processes  # imports torch: here, so that a missing torch is reported per test
 
     return run_processes(worker, world, *args)
