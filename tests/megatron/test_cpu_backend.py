@@ -215,8 +215,8 @@ def runs(hf, converted, tmp_path_factory):
     stack.require("verl.models.mcore.config_converter")
     ref = tmp_path_factory.mktemp("ref") / "tp1-grads.pt"
     # spawn: forking after DCP's writer threads ran in this process can hang
-    tp1 = run_processes(_model_worker, 1, 1, 1, 1, str(hf), str(converted), str(ref), start_method="spawn")
-    tp2 = run_processes(_model_worker, 2, 2, 2, 2, str(hf), str(converted), str(ref), start_method="spawn")
+    tp1 = run_processes(_model_worker, 1, 1, 1, 1, str(hf), str(converted), str(ref))
+    tp2 = run_processes(_model_worker, 2, 2, 2, 2, str(hf), str(converted), str(ref))
     return tp1, tp2
 
 

@@ -10,7 +10,7 @@ def require(module: str):
     return stack.require(module, stack.series("verl"))
 
 
-def run_forked(worker, world: int, *args) -> dict:
+def run_ranks(worker, world: int, *args) -> dict:
     """`worker(rank, port, *args, results)` in `world` processes, spawned (see tests/gloo.py)."""
     from tests.gloo import run_processes  # imports torch: here, so that a missing torch is reported per test
 

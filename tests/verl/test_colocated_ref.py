@@ -57,12 +57,6 @@ def _config(*overrides: str, strategy: str = "megatron"):
 # ---------------------------------------------------------------- Megatron's worker, 2 gloo ranks (DP 2)
 
 
-def _spawned(worker, world: int, *args) -> dict:
-    """`worker` on `world` gloo ranks in fresh processes: earlier tests in this session may have started threads
-    (Inductor's compile workers, gloo) that a forked child could deadlock on."""
-    return run_processes(worker, world, *args, start_method="spawn")
-
-
 def _megatron_worker(rank, port, role, overrides, results):
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -104,14 +98,15 @@ def test_megatron_worker_normalises_the_ref_next_to_the_actor():
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size=16",
     ]
-    got = _spawned(_megatron_worker, 2, "actor_rollout_ref", overrides)
+    got = run_processes(_megatron_worker, 2, "actor_rollout_ref", overrides)
     # before the series, role actor_rollout_ref skipped the ref (an elif): ref micro None and no _ref_is_offload_param
     assert got[0] == got[1] == {"mini": 16, "rollout_micro": 8, "ref_micro": 4, "ref_offload": False}
 
 
 def test_megatron_worker_refuses_a_size_that_does_not_split_over_its_dp():
     stack.require("megatron.core")
-    got = _spawned(_megatron_worker, 2, "actor_rollout", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
+    got = run_processes(_megatron_worker, 2, "actor_rollout",
+                        ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
     assert all("must be a multiple of the per-rank micro-batch 3" in got[r] for r in (0, 1)), got
 
 
@@ -185,7 +180,7 @@ def _build_models_in_shared_worker(rank, port, results):
 
 def test_the_shared_megatron_worker_builds_the_ref_as_a_ref():
     stack.require("megatron.core")
-    got = _spawned(_build_models_in_shared_worker, 1)[0]
+    got = run_processes(_build_models_in_shared_worker, 1)[0]
     assert got["actor"] == (["module1"], "optimizer of module1", "hf", {})
     # before the series, the ref call took the actor branch too (a DDP-wrapped model with an optimizer, four
     # values for the caller's two: ValueError in init_model)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests import stack
-from tests.verl.conftest import require, run_forked
+from tests.verl.conftest import require, run_ranks
 
 device = require("verl.utils.device")
 
@@ -37,7 +37,7 @@ def _all_reduce_worker(rank, port, world, results):
 
 
 def test_dist_backend_is_gloo_on_cpu_and_runs_a_collective():
-    results = run_forked(_all_reduce_worker, 2, 2)
+    results = run_ranks(_all_reduce_worker, 2, 2)
     assert results == {0: ("gloo", 3.0), 1: ("gloo", 3.0)}
 
 
@@ -60,7 +60,7 @@ def _fsdp2_load_worker(rank, port, world, results):
 
 
 def test_fsdp2_loads_rank0_weights_into_cpu_shards():
-    results = run_forked(_fsdp2_load_worker, 2, 2)
+    results = run_ranks(_fsdp2_load_worker, 2, 2)
     rank0_weights = results[0][0]
     for rank in (0, 1):
         got = results[rank][1]

@@ -212,7 +212,7 @@ def tiny(tmp_path_factory):
 def test_megatron_to_hf_sync_fills_every_weight_and_catches_a_broken_one(tiny, tp_pp):
     # spawn, not fork: Megatron's parallel state in a child forked from a process that already ran a
     # process group (tests/megatron does, in this pytest process) can hang in initialize_model_parallel
-    results = run_processes(_worker, 4, tiny, tp_pp, start_method="spawn")
+    results = run_processes(_worker, 4, tiny, tp_pp)
     for rank, r in sorted(results.items()):
         assert r["parked_empty"] and r["offloaded"], rank
         assert r["good"] == [] and r["differ"] == [], (rank, r["good"][:5], r["differ"][:5])

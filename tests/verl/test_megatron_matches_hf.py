@@ -54,7 +54,7 @@ def _compare(tmp_path, unchecked=False, **overrides) -> dict:
 
     make_tiny(tmp_path / "hf", overrides=overrides)
     dist.hf_to_torch_dist(tmp_path / "hf", tmp_path / "mcore", say=lambda *a: None)
-    return run_processes(_worker, 1, str(tmp_path / "hf"), str(tmp_path / "mcore"), unchecked, start_method="spawn")[0]
+    return run_processes(_worker, 1, str(tmp_path / "hf"), str(tmp_path / "mcore"), unchecked)[0]
 
 
 def test_megatron_and_hf_give_the_same_log_probs_in_fp32(tmp_path):

@@ -179,7 +179,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.slow
 def test_directed_sync_writes_every_vllm_parameter_with_the_checkpoint_and_experts_where_vllm_maps_them(tiny):
     dp_port = free_ports(2 * dp_groups.PORT_STRIDE)  # two DP groups (one per rollout instance)
-    results = run_processes(_worker, 4, tiny, dp_port, start_method="spawn")
+    results = run_processes(_worker, 4, tiny, dp_port)
     for rank, r in sorted(results.items()):
         good = r["good"]
         assert good["params"] > 30 and good["unknown"] == [], (rank, good["unknown"])

@@ -14,7 +14,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from tests.verl.conftest import require, run_forked
+from tests.verl.conftest import require, run_ranks
 
 migrate = require("verl.workers.rollout.rebalance.migrate")
 plan = require("verl.workers.rollout.rebalance.plan")
@@ -116,7 +116,7 @@ def _worker(rank, port, results):
 
 
 def _run() -> dict:
-    return run_forked(_worker, WORLD)
+    return run_ranks(_worker, WORLD)
 
 
 def test_every_request_finishes_once_and_returns_home_in_order_with_its_tokens():

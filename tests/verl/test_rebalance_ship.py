@@ -194,7 +194,7 @@ def _worker(rank, port, mode, results):
 @pytest.fixture(scope="module", params=["ship", "reprefill"])
 def outcome(request):
     # spawn: a fork of this pytest process, after the vLLM engines of other tests ran in it, could abort
-    return request.param, run_processes(_worker, WORLD, request.param, start_method="spawn")
+    return request.param, run_processes(_worker, WORLD, request.param)
 
 
 def test_every_request_finishes_once_at_home_in_order_with_the_tokens_of_an_unmoved_run(outcome):

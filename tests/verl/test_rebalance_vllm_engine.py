@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tests import stack
-from tests.verl.conftest import require, run_forked
+from tests.verl.conftest import require, run_ranks
 
 migrate = require("verl.workers.rollout.rebalance.migrate")
 vllm_engine = require("verl.workers.rollout.rebalance.vllm_engine")
@@ -222,7 +222,7 @@ def _worker(rank, port, mode, results):
 
 @pytest.fixture(scope="module", params=["ship", "reprefill"])
 def outcome(request):
-    return request.param, run_forked(_worker, WORLD, request.param)
+    return request.param, run_ranks(_worker, WORLD, request.param)
 
 
 def test_moved_requests_finish_once_at_home_in_order_with_unmoved_tokens(outcome):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.verl.conftest import require, run_forked
+from tests.verl.conftest import require, run_ranks
 
 plan = require("verl.utils.reshard.plan")
 execute = require("verl.utils.reshard.execute")
@@ -84,7 +84,7 @@ def _worker(rank, port, train_kw, rollout_kw, experts, results):
     (dict(tp=1, pp=2, ep=2, world=WORLD), dict(dp=4, tp=2), 16),
 ])
 def test_directed_reshard_equals_the_gather_path(train_kw, rollout_kw, experts):
-    results = run_forked(_worker, WORLD, train_kw, rollout_kw, experts)
+    results = run_ranks(_worker, WORLD, train_kw, rollout_kw, experts)
     for rank in range(WORLD):
         mismatches, rows_ok = results[rank]
         assert mismatches == [], f"rank {rank}: layers {mismatches} differ from the gather path"

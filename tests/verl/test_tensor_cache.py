@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests import traffic
-from tests.verl.conftest import require, run_forked
+from tests.verl.conftest import require, run_ranks
 
 cache_mod = require("verl.utils.reshard.tensor_cache")
 execute = require("verl.utils.reshard.execute")
@@ -39,7 +39,7 @@ def _worker(rank, port, results):
 
 
 def test_reshard_equals_collect_then_split_and_matching_layouts_move_nothing():
-    results = run_forked(_worker, WORLD)
+    results = run_ranks(_worker, WORLD)
     for rank in range(WORLD):
         equal, moved, moved_same, same_ok = results[rank]
         assert equal, f"rank {rank}: resharded rows differ from the driver's split"
@@ -108,7 +108,7 @@ def _packed_worker(rank, port, results):
 
 
 def test_take_moves_every_key_in_one_all_to_all_as_the_per_key_path_would():
-    results = run_forked(_packed_worker, PACKED_WORLD)
+    results = run_ranks(_packed_worker, PACKED_WORLD)
     for rank, r in sorted(results.items()):
         assert all(r["equal_per_key"].values()), f"rank {rank}: packed differs from per key: {r['equal_per_key']}"
         assert all(r["equal_full"].values()), f"rank {rank}: wrong rows: {r['equal_full']}"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests import stack
-from tests.verl.conftest import require, run_forked
+from tests.verl.conftest import require, run_ranks
 
 SERIES = "verl series not applied (sync, apply and install the verl fork; nox -s tests does)"
 cached = stack.require("verl.single_controller.base.cached_dispatch", SERIES)
@@ -131,7 +131,7 @@ def test_cached_flow_hands_each_train_rank_the_rows_of_collect_then_split():
     gen = _per_worker(group, cached.CacheRequest(cached.ROLLOUT, rows, return_keys=flow.HOST_KEYS), prompts)
     ref = _per_worker(group, cached.CacheRequest(cached.TRAIN, rows, get_keys=flow.MODEL_INPUTS), None)
     upd = _per_worker(group, cached.CacheRequest(cached.TRAIN, rows, get_keys=keys), host)
-    results = run_forked(_worker, 4, {r: (gen[r], ref[r], upd[r]) for r in range(4)})
+    results = run_ranks(_worker, 4, {r: (gen[r], ref[r], upd[r]) for r in range(4)})
 
     collect = decorator.get_predefined_dispatch_fn(decorator.Dispatch.DP_COMPUTE_CACHED)["collect_fn"]
     back = collect(group, [results[r]["gen"] for r in range(4)])

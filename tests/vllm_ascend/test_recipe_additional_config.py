@@ -99,7 +99,7 @@ def engine_kwargs():
     saved = list(sys.path)
     sys.path[:] = [p for p in saved if p != str(TREE)]
     try:
-        return run_processes(rollout_worker, 2, 2, start_method="spawn")[0]
+        return run_processes(rollout_worker, 2, 2)[0]
     finally:
         sys.path[:] = saved
 

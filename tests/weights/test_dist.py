@@ -229,7 +229,7 @@ def test_megatron_core_model_loads_it_bit_exact(hf, converted, tp, ep, world):
     stack.require("megatron.core")
     stack.require("verl.models.mcore.config_converter")
     # spawn: forking after DCP's writer threads ran in this process can hang
-    results = run_processes(_load_worker, world, world, tp, ep, str(hf), str(converted), start_method="spawn")
+    results = run_processes(_load_worker, world, world, tp, ep, str(hf), str(converted))
     for rank, r in results.items():
         assert r["unexpected"] == [], f"rank {rank}: model asks for keys the checkpoint lacks"
         assert r["bad"] == [] and r["untested"] == [] and r["checked"] > 20, (rank, r)
