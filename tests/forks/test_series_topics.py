@@ -150,16 +150,16 @@ def test_every_real_series_parses_with_topics_and_nothing_export_would_drop():
 
 
 def test_every_patch_has_its_row_in_the_upstream_overlap_tables():
-    """patches/README.md says, per patch, which upstream release has an equivalent; a patch added without its row
+    """patches/CHANGES.md says, per patch, which upstream release has an equivalent; a patch added without its row
     (the once-per-DP advantages went in so) leaves a rebase's reader without that answer."""
     import re
 
     from tools.forks.manifest import find_root, load
 
     manifest = load(find_root(Path(__file__).parent))
-    readme = (manifest.root / "third_party/patches/README.md").read_text()
-    rows = set(re.findall(r"^\| (?:[\w-]+ )?\d+ \| ([\w-]+) \|", readme, re.M))
+    changes = (manifest.root / "third_party/patches/CHANGES.md").read_text()
+    rows = set(re.findall(r"^\| (?:[\w-]+ )?\d+ \| ([\w-]+) \|", changes, re.M))
     for fork in manifest.forks.values():
         names = Series(manifest.root / fork.patches).layout().names
         missing = [n.removesuffix(".patch") for n in names if n.removesuffix(".patch") not in rows]
-        assert not missing, f"{fork.name}: no row in third_party/patches/README.md for {missing}"
+        assert not missing, f"{fork.name}: no row in third_party/patches/CHANGES.md for {missing}"

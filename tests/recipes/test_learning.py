@@ -2,7 +2,7 @@
 TensorCache, the directed weight sync into vLLM's CPU engine) from the warm start raises the held-out accuracy and
 the reward by margins measured over seeds; the same run with the training reward's sign flipped fails that check.
 
-The margins come from runs of `nox -s smoke -- --steps 20 --seed S` (see README, "What the smoke run shows").
+The margins come from runs of `nox -s smoke -- --steps 20 --seed S` (docs/smoke.md, "What 20 steps show").
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ MAX_NUM_SEQS = "actor_rollout_ref.rollout.max_num_seqs"
 # vllm.LLM, where a typo would fail only on the cluster.
 ENGINE_KWARGS_KEYS = ("swap_space", "max_num_seqs", "enable_expert_parallel", "additional_config")
 # What vLLM-Ascend 0.9.1 reads from additional_config (vllm_ascend/ascend_config.py: AscendConfig.__init__, and
-# "refresh" in init_ascend_config); dp_sync_on_device is our series' (patches README (i)).
+# "refresh" in init_ascend_config); dp_sync_on_device is our series' (third_party/patches/CHANGES.md (i)).
 # tests/vllm_ascend/test_recipe_additional_config.py keeps these lists equal to the fork's source.
 ASCEND_CONFIG_KEYS = ("torchair_graph_config", "ascend_scheduler_config", "expert_map_path", "dynamic_eplb",
                       "num_iterations_eplb_update", "gate_eplb", "num_wait_worker_iterations",
@@ -314,7 +314,7 @@ def _check_graph_mode(cfg: DictConfig, t: TorchairGraph, engine_max_seqs) -> Non
 
 def _ascend_scheduler(cfg: DictConfig, t: TorchairGraph) -> bool:
     """ascend_scheduler_config.enabled, checked against enable_kv_nz: the graph decode path writes the cache as
-    NZ, and a step that mixes prefill and decode reads it as ND (patches README (h))."""
+    NZ, and a step that mixes prefill and decode reads it as ND (third_party/patches/CHANGES.md (h))."""
     scheduler = settings_block(cfg, ASCEND_SCHEDULER, ASCEND_SCHEDULER_KEYS) or {}
     on = _flag(f"{ASCEND_SCHEDULER}.enabled", scheduler.get("enabled", False))
     chunked = _flag(f"{ASCEND_SCHEDULER}.enable_chunked_prefill", scheduler.get("enable_chunked_prefill", False))
