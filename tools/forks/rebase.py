@@ -205,7 +205,9 @@ def _take(root: Path, fork: Fork, repo: Path, data: dict, port: Port, i: int, sa
     how = _attempt(root, fork, repo, data, port, i, path, say)
     _record(root, fork, repo, port, entry, before, None)
     _save_port(port, data, decided=1)
-    say(f"[{i + 1}/{total}] {entry.name}: {how}" + ("" if entry.verdict == port_mod.PORTED else f", {entry.verdict}"))
+    verdict = {port_mod.PORTED: "", port_mod.REWORKED: ", reworked (its changed lines differ)",
+               port_mod.DROPPED: " -> dropped (emptied by the replay)"}[entry.verdict]
+    say(f"[{i + 1}/{total}] {entry.name}: {how}{verdict}")
 
 
 def _attempt(root: Path, fork: Fork, repo: Path, data: dict, port: Port, i: int, path: Path, say: Say) -> str:
