@@ -11,6 +11,7 @@ clean and the README patch is emptied (upstream has its change inside a larger c
 from __future__ import annotations
 
 import shutil
+import sys
 import tomllib
 from pathlib import Path
 
@@ -184,7 +185,9 @@ def test_rerere_replays_a_resolution_after_abort_and_keeps_it_in_the_fork(proj, 
     assert not list(_port_dir(p).rglob("*rr-cache*"))
 
 
-def test_status_tells_where_the_port_stands(proj, capsys):
+def test_status_tells_where_the_port_stands(proj, capsys, monkeypatch):
+    for name in ("rich", "rich.console", "rich.table", "rich.text"):
+        monkeypatch.setitem(sys.modules, name, None)  # the plain table, whether rich is installed or not
     p = proj
     assert p.cli("rebase", "demo", "--status") == 2
     assert "0 ports (none); name one with --onto REF" in capsys.readouterr().err
