@@ -48,7 +48,7 @@ def test_rebase_continue_finishes_and_moves_everything(with_series, capsys):
     assert p.cli("rebase", "demo", "--onto", "v2") == 3
     (p.fork / "config.py").write_text("batch = 64\nlr = 0.1\n")  # the resolution
     git(p.fork, "add", "config.py")
-    assert p.cli("rebase", "demo", "--continue") == 0
+    assert p.cli("rebase", "demo", "--continue", "--why", "v2 raised the batch to 32; we go to 64") == 0
     out = capsys.readouterr().out
     assert "kept 2, dropped 1, changed 1" in out
 
@@ -60,10 +60,11 @@ def test_rebase_continue_finishes_and_moves_everything(with_series, capsys):
     assert _gitlink(p) == p.upstream.v2
 
     report = (p.patches / "REBASE-v1-v2.md").read_text()
-    assert "fix-typo-in-helper.patch: already upstream as" in report
-    assert "raise-the-default-batch.patch (changed)" in report
-    assert "add-a-feature-flag.patch\n" in report
+    assert "| 2 | fix-typo-in-helper.patch | dropped | already upstream as " in report
+    assert "| 3 | raise-the-default-batch.patch | reworked | v2 raised the batch to 32; we go to 64 |" in report
+    assert "| 1 | add-a-feature-flag.patch | ported |  |" in report
     assert "range-diff" in report
+    assert not (p.root / "third_party/patches/ports/demo-v2").exists(), "a finished port is removed"
 
     assert p.cli("check", "demo") == 0  # the new series applies to the new pin
     assert p.cli("status", "--check", "demo") == 0  # pin, gitlink, branch and series agree
@@ -84,7 +85,8 @@ def test_rebase_continue_with_an_empty_resolution_drops_the_patch(with_series, c
     assert p.cli("rebase", "demo", "--continue") == 0
     assert "kept 1, dropped 2" in capsys.readouterr().out
     report = (p.patches / "REBASE-v1-v2.md").read_text()
-    assert "raise-the-default-batch.patch: emptied" in report
+    assert "| raise-the-default-batch.patch | dropped | emptied by the replay: upstream's tree already has its" \
+           " change to config.py |" in report
 
 
 def test_publish_pushes_and_switches_the_submodule(with_series, tmp_path, capsys):
@@ -141,7 +143,7 @@ def test_a_pulled_rebase_is_followed_by_sync_and_apply(tmp_path, upstream, capsy
     assert author.cli("rebase", "demo", "--onto", "v2") == 3
     (author.fork / "config.py").write_text("batch = 64\nlr = 0.1\n")
     git(author.fork, "add", "config.py")
-    assert author.cli("rebase", "demo", "--continue") == 0
+    assert author.cli("rebase", "demo", "--continue", "--why", "batch 64 on top of v2's 32") == 0
     assert "forks.demo.pypi still names demo==1.0" in capsys.readouterr().out
 
     # The teammate pulls: forks.toml, the series and the gitlink change.

@@ -107,9 +107,11 @@ def test_rebase_keeps_the_headers_of_what_it_keeps(with_series, capsys):
     p = with_series
     _with_topics(p)
     assert p.cli("rebase", "demo", "--onto", "v2") == 3
+    port_series = p.root / "third_party/patches/ports/demo-v2/series"
+    assert port_series.read_text() == SERIES_HEADER + f"\n# == Features ==\n# what the recipe switches on\n{A}\n"
     (p.fork / "config.py").write_text("batch = 64\nlr = 0.1\n")
     git(p.fork, "add", "config.py")
-    assert p.cli("rebase", "demo", "--continue") == 0
+    assert p.cli("rebase", "demo", "--continue", "--why", "v2 set 32; we keep 64") == 0
     assert (p.patches / "series").read_text() == (
         SERIES_HEADER + f"\n# == Features ==\n# what the recipe switches on\n{A}\n\n# == Defaults ==\n{C}\n")
 

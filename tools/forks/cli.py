@@ -12,12 +12,50 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tools.forks import git, ops, rehearsal, sources, upgrade
+from tools.forks import port as port_mod
 from tools.forks import rebase as rebase_mod
 from tools.forks import series as series_mod
 from tools.forks.manifest import PROFILES, ManifestError, find_root, load
+from tools.forks.port import PortError
 from tools.forks.series import Series
 
 EXIT_OK, EXIT_CHECK, EXIT_ERROR, EXIT_STOPPED = 0, 1, 2, 3
+
+REBASE_EPILOG = """\
+The work goes into a port directory, third_party/patches/ports/<fork>-<REF>/, that you commit as
+you go: port.toml gives each patch of the old series a verdict (pending, ported, reworked, dropped,
+obsolete) and a why; each patch that got through is there as export writes it, listed in `series`.
+On another machine (or after --abort) the same `--onto REF` replays the port and goes on with the
+first pending patch. See third_party/patches/PORTING.md.
+
+Each patch prints one line, [i/N] name: clean | 3-way | conflict | dropped | obsolete. A patch
+already upstream (same git patch-id, or emptied by the replay) is dropped with the commit or file
+that has it. On a conflict the replay stops (exit 3) naming the patch and files. Then either:
+  resolve, `git add`, --continue [--why "what changed and why"]   (ported if its changed lines are
+      the old ones, else reworked: a reworked patch needs a why before the rebase can finish)
+  --drop NAME --why "upstream does X in file:function (PR #N)"    (or --obsolete: nothing needs it)
+  --abort                                                         (git rerere remembers resolutions)
+When no patch is pending it moves the pin in forks.toml and the gitlink, writes the series from the
+new branch, writes third_party/patches/<fork>/REBASE-<from>-<to>.md with every verdict and its why
+and the time the port took, and removes the port directory.
+
+--dry-run shows the whole cost and changes nothing in the fork: it replays the full series
+in a scratch repository and gives every patch one result: clean (applies as it stands),
+3-way merged, conflict (files and hunks; the patch is left out and the replay goes on,
+naming the later patches that need it: those that do not apply at the pin without it),
+or already upstream. The table is printed and written as a draft of the REBASE report.
+It exits 1 when a patch conflicts (a check that found problems; nothing stopped).
+Without the git history (CI, firewalled sites), name a PyPI release as NAME==VERSION (forks with
+a `pypi` source): the pinned and the target sdist are compared instead. Only --dry-run takes a
+release: the rebase itself needs the release's git commit for the pin.
+
+  python -m tools.forks rebase verl --onto v0.6.1 --dry-run       # what it will cost
+  python -m tools.forks rebase verl --onto v0.6.1                 # start, or pick up the port
+  python -m tools.forks rebase verl --status
+  python -m tools.forks rebase verl --continue --why "v0.6.1 split fsdp_workers.py; hook moved"
+  python -m tools.forks rebase verl --drop NAME --why "upstream does it in utils/device.py (PR #1234)"
+  git add third_party/patches/ports && git commit -m "verl port: 12 of 46"   # any time
+"""
 
 DESCRIPTION = """\
 Manage the pinned upstream forks under third_party/ and their patch series.
@@ -31,10 +69,11 @@ file, and as commits on the branch recipe/<fork> inside the submodule. Typical u
   (edit and commit on recipe/<fork> inside third_party/<fork>)
   python -m tools.forks export verl     # branch -> series; review `git diff third_party/patches`
   python -m tools.forks series verl     # the series' topics with their patch counts
-  python -m tools.forks rebase verl --onto v0.5.0
+  python -m tools.forks rebase verl --onto v0.6.1   # through a port dir; rebase --help
   python -m tools.forks upgrade-report  # every fork's series on its next releases
 
-Exit codes: 0 ok, 1 a check found problems, 2 an operation failed, 3 a rebase stopped on a conflict.
+Exit codes: 0 ok, 1 a check found problems, 2 an operation failed, 3 a rebase stopped (a conflict, or
+whys to write).
 """
 
 
@@ -98,13 +137,19 @@ def parser() -> argparse.ArgumentParser:
     _fork_args(p)
     p.add_argument("--check", action="store_true", help="compare only; exit 1 on any difference")
 
-    p = add("check", "Lint every series and, where the source is present, replay it onto the pin.",
+    p = add("check", "Lint every series and port and, where the source is present, replay them.",
             "Lint: listed files exist, every patch is listed, subjects are unique, each patch has a\n"
             "body and the trailers `Reason:` and `Upstream-Status:` (Pending | Submitted <link> |\n"
             "Inappropriate <why>). Fit to send upstream: subjects of at most 72 characters, a\n"
             "`Signed-off-by:` trailer, and no citation of our issue tracker (`issue 8`, `#12`) in the\n"
             "message or its trailers; upstream references are URLs or owner/repo#N. The `series` file\n"
-            "reads as export writes it: no comment that export would drop, a blank line before each topic.")
+            "reads as export writes it: no comment that export would drop, a blank line before each topic.\n"
+            "\n"
+            "Ports (third_party/patches/ports/<fork>-<ref>/, see `rebase --help`): port.toml reads, every\n"
+            "verdict that needs a why has one (not the TODO placeholder), every ported or reworked patch is\n"
+            "there and listed in its `series`, in order, and nothing else is; the patches pass the lint\n"
+            "above. Where the fork's source holds the port's `to` commit they are applied onto it in a\n"
+            "scratch index (recipe/<fork> and the work tree untouched); a PyPI tree lacks it: lint only.")
     _fork_args(p)
 
     p = add("test", "Run the tests the series adds, inside each fork's patched tree.",
@@ -116,33 +161,27 @@ def parser() -> argparse.ArgumentParser:
     _fork_args(p)
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest, after --")
 
-    p = add("rebase", "Replay a fork's series onto a new upstream tag, commit or PyPI release.",
-            "Patches already upstream (same git patch-id, or emptied by the replay) are dropped and\n"
-            "reported. On a conflict it stops, naming the patch and files: resolve, `git add`, then\n"
-            "--continue, or --abort. On success it re-exports the series, moves the pin in\n"
-            "forks.toml and the gitlink, and writes third_party/patches/<fork>/REBASE-<from>-<to>.md.\n"
-            "\n"
-            "--dry-run shows the whole cost and changes nothing in the fork: it replays the full series\n"
-            "in a scratch repository and gives every patch one result: clean (applies as it stands),\n"
-            "3-way merged, conflict (files and hunks; the patch is left out and the replay goes on,\n"
-            "naming the later patches that need it: those that do not apply at the pin without it),\n"
-            "or already upstream. The table is printed and written as a draft of the REBASE report.\n"
-            "It exits 1 when a patch conflicts (a check that found problems; nothing stopped).\n"
-            "\n"
-            "Without the git history (CI, firewalled sites), name a PyPI release as NAME==VERSION, for\n"
-            "forks with a `pypi` source in forks.toml: the pinned and the target sdist are laid out as\n"
-            "`sync` lays them out and committed, pin then target, in the scratch repository; the dry run\n"
-            "replays onto that and its report says both trees are PyPI-derived. Only --dry-run takes a\n"
-            "release: the rebase itself needs the release's git commit for the pin.\n"
-            "\n"
-            "  python -m tools.forks rebase verl --onto v0.5.0 --dry-run\n"
-            "  python -m tools.forks rebase verl --onto verl==0.5.0 --dry-run --find-links ./dists\n"
-            "  python -m tools.forks rebase verl --onto v0.5.0")
+    p = add("rebase", "Carry a fork's series to a new upstream tag or commit, over as many sessions as it takes.",
+            REBASE_EPILOG)
     _fork_args(p, nargs=1)
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--onto", metavar="REF", help="new upstream tag or commit, or (with --dry-run) NAME==VERSION")
-    mode.add_argument("--continue", dest="resume", action="store_true", help="go on after resolving")
-    mode.add_argument("--abort", action="store_true", help="drop the replay, leave everything as before")
+    p.add_argument("--onto", metavar="REF",
+                   help="new upstream tag or commit (starts, or picks up the port for REF); with --dry-run also"
+                        " NAME==VERSION")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--continue", dest="resume", action="store_true",
+                      help="go on after resolving the stopped patch (give --why when you changed it)")
+    mode.add_argument("--abort", action="store_true",
+                      help="leave the replay; recipe/<fork> stays as it was, the port keeps what got through")
+    mode.add_argument("--status", action="store_true",
+                      help="the port's verdict counts, where it stopped, conflicted files, what is left")
+    p.add_argument("--drop", metavar="NAME",
+                   help="skip this patch for good (with --why): the stopped one, a later one, or with --onto"
+                        " one before the replay starts")
+    p.add_argument("--obsolete", action="store_true",
+                   help="with --drop: the verdict is obsolete (nothing needs it), not dropped (upstream has it)")
+    p.add_argument("--why", metavar="TEXT",
+                   help="with --continue: what changed in the patch and why; with --drop: upstream's"
+                        " equivalent (file:function, PR) or what went away")
     p.add_argument("--dry-run", action="store_true",
                    help="with --onto: replay the whole series in a scratch repository and report each patch")
     _index_args(p, "for --onto NAME==VERSION: ")
@@ -211,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     except rebase_mod.RebaseStopped as exc:
         print(f"stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
-    except (ops.ForkError, ManifestError, git.GitError) as exc:
+    except (ops.ForkError, ManifestError, git.GitError, PortError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
@@ -379,7 +418,25 @@ def cmd_check(args, manifest, forks) -> int:
         if not problems:
             print(f"{fork.name}: ok, {len(st.series.names())} patches ({where})")
         bad += bool(problems)
-    return EXIT_CHECK if bad else EXIT_OK
+    return EXIT_CHECK if bad + _check_ports(manifest, forks, bool(args.forks)) else EXIT_OK
+
+
+def _check_ports(manifest, forks, chosen: bool) -> int:
+    """Lint the port directories of the chosen forks (every one when none was named); how many are bad."""
+    bad, names = 0, {f.name for f in forks}
+    for directory in port_mod.all_dirs(manifest.root):
+        owner = next((f for f in manifest.forks.values() if directory in rebase_mod.port_dirs(manifest.root, f.name)),
+                     None)
+        if owner is None and chosen or owner is not None and owner.name not in names:
+            continue
+        problems, done = rebase_mod.check_port(manifest.root, owner, directory)
+        label = f"port {directory.relative_to(manifest.root)}"
+        for problem in problems:
+            print(f"{label}: {problem}")
+        if not problems:
+            print(f"{label}: ok ({done})")
+        bad += bool(problems)
+    return bad
 
 
 def cmd_test(args, manifest, forks) -> int:
@@ -403,10 +460,16 @@ def cmd_test(args, manifest, forks) -> int:
 
 def cmd_rebase(args, manifest, forks) -> int:
     fork, root = forks[0], manifest.root
+    _check_rebase_args(args)
+    drop = rebase_mod.Drop(args.drop, args.why, "obsolete" if args.obsolete else "dropped") if args.drop else None
     if args.abort:
         print(rebase_mod.abort(root, fork))
+    elif args.status:
+        rows, lines = rebase_mod.status(root, fork, args.onto)
+        _print_table(f"{fork.name}: port", rows)
+        print("\n".join(lines))
     elif args.resume:
-        print(rebase_mod.resume(root, fork))
+        print(rebase_mod.resume(root, fork, args.why, say=_say))
     elif args.dry_run:
         result = rehearsal.rehearse(root, fork, args.onto, _indexes(args), args.find_links)
         path = rehearsal.write_report(root, fork, result)
@@ -414,9 +477,36 @@ def cmd_rebase(args, manifest, forks) -> int:
                      [rehearsal.COLUMNS, *result.rows(hunks=False)])  # the report lists the hunks
         print(f"{fork.name}: {result.summary()}; draft report {path.relative_to(root)}")
         return EXIT_CHECK if result.conflicted else EXIT_OK
+    elif args.onto:
+        print(rebase_mod.start(root, fork, args.onto, say=_say, drop=drop))
     else:
-        print(rebase_mod.start(root, fork, args.onto))
+        print(rebase_mod.drop(root, fork, drop, say=_say))
     return EXIT_OK
+
+
+def _check_rebase_args(args) -> None:
+    """The combinations `rebase` takes; anything else is an error that names the right form."""
+    wrong = None
+    if not (args.onto or args.resume or args.abort or args.status or args.drop):
+        wrong = "say what to do: --onto REF, --continue, --abort, --status, or --drop NAME --why TEXT"
+    elif args.drop and not args.why:
+        wrong = f"--drop {args.drop} needs --why \"upstream does X in file:function (PR #N)\" (or what went away)"
+    elif args.obsolete and not args.drop:
+        wrong = "--obsolete goes with --drop NAME"
+    elif args.why and not (args.resume or args.drop):
+        wrong = "--why goes with --continue or --drop"
+    elif args.dry_run and (not args.onto or args.drop or args.resume or args.abort or args.status):
+        wrong = "--dry-run goes with --onto REF alone"
+    elif (args.resume or args.abort) and (args.onto or args.drop):
+        wrong = "--continue and --abort take no --onto or --drop; run them on their own"
+    elif args.status and args.drop:
+        wrong = "--status takes no --drop"
+    if wrong:
+        raise ops.ForkError(f"rebase: {wrong}")
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def cmd_upgrade_report(args, manifest, forks) -> int:

@@ -8,6 +8,7 @@ message.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -237,3 +238,61 @@ def trailers(message: str, cwd: Path) -> list[tuple[str, str]]:
         key, _, value = line.partition(":")
         result.append((key.strip(), value.strip()))
     return result
+
+
+def enable_rerere(repo: Path) -> None:
+    """Turn on git rerere in `repo`'s own config: a conflict resolved once is resolved (and staged) again
+    when the same conflict comes back. Its records stay in `repo`'s git dir (rr-cache), never elsewhere."""
+    set_config(repo, "rerere.enabled", "true")
+    set_config(repo, "rerere.autoupdate", "true")
+
+
+def record_resolutions(repo: Path) -> None:
+    """Let rerere record the files resolved so far (before an abort would throw the resolution away)."""
+    run(repo, "rerere", check=False)
+
+
+def staged_changes(repo: Path) -> bool:
+    return run(repo, "diff", "--cached", "--quiet", check=False).returncode != 0
+
+
+def apply_check(repo: Path, base: str, paths: list[Path]) -> tuple[Path, str] | None:
+    """Apply `paths` in order to a scratch index at `base` (work tree, index and refs untouched);
+    the first failure as (path, git's error), None when all apply."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        run(repo, "read-tree", base, env=env)
+        for path in paths:
+            proc = run(repo, "apply", "--cached", str(path), env=env, check=False)
+            if proc.returncode != 0:
+                return path, proc.stderr.strip()[:300]
+    return None
+
+
+_HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+_FILE_HEADERS = ("new file mode", "deleted file mode", "old mode", "new mode", "rename from", "rename to",
+                 "copy from", "copy to", "Binary files", "GIT binary patch")
+
+
+def changed_lines(patch_text: str) -> list[str]:
+    """What a patch changes, without its context, line numbers or blob ids: each file's `diff --git` line and
+    mode/rename lines, and the removed and added lines of its hunks (counted, so no line is misread)."""
+    found: list[str] = []
+    old_left = new_left = 0
+    for line in patch_text.split("\n"):
+        if old_left > 0 or new_left > 0:
+            tag = line[:1]
+            if tag in ("+", "-", "\\"):
+                found.append(line)
+            if tag != "\\":  # "\ No newline at end of file" belongs to the line before it
+                old_left -= tag != "+"
+                new_left -= tag != "-"
+        elif line.startswith("diff --git "):
+            found.append(line)
+        elif found and (match := _HUNK.match(line)):
+            old_left, new_left = int(match[1] or 1), int(match[2] or 1)
+        elif found and line.startswith((*_FILE_HEADERS, "\\")):
+            found.append(line)
+    return found

@@ -9,7 +9,6 @@ A branch tip other than `recipe.tip` means commits that are not in the series ye
 from __future__ import annotations
 
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -344,14 +343,8 @@ def check(root: Path, fork: Fork) -> list[str]:
 
 def _apply_check(st: State) -> list[str]:
     """Apply every patch in order to a scratch index at the pin; the work tree is never touched."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
-        git.run(st.path, "read-tree", st.base, env=env)
-        for path in st.series.paths():
-            proc = git.run(st.path, "apply", "--cached", str(path), env=env, check=False)
-            if proc.returncode != 0:
-                return [f"{path}: does not apply to the pin {st.base[:12]}: {proc.stderr.strip()[:300]}"]
-    return []
+    failed = git.apply_check(st.path, st.base, st.series.paths())
+    return [f"{failed[0]}: does not apply to the pin {st.base[:12]}: {failed[1]}"] if failed else []
 
 
 # ---------------------------------------------------------------- publish

@@ -1,8 +1,15 @@
-"""`rebase`: replay a fork's series onto a new upstream base, dropping what landed upstream.
+"""`rebase`: carry a fork's series to a new upstream base, through a port directory that outlives the machine.
 
-The replay runs on a scratch branch (`recipe/<fork>-rebase`); `recipe/<fork>`, the series, the pin
-and the gitlink change only once every patch is through. A conflict stops the replay with its state
-in `<git dir>/recipe-rebase.json`, to be resumed with `--continue` or undone with `--abort`.
+The port (`tools.forks.port`, third_party/patches/ports/<fork>-<to>/) is the record: each patch that gets
+through is written there at once with its verdict, so `git add third_party/patches/ports && git commit` saves
+the work at any point. `rebase --onto REF` with a port for REF replays the patches it carries, skips the
+dropped and obsolete ones and goes on with the first pending patch of the old series.
+
+The replay runs on a scratch branch (`recipe/<fork>-rebase`); `recipe/<fork>`, the series, the pin and the
+gitlink change only once no patch is pending and every verdict has its why. A conflict stops the replay with
+this machine's state in `<git dir>/recipe-rebase.json`: go on with `--continue [--why]`, skip the patch with
+`--drop NAME --why` (or `--obsolete`), or undo with `--abort`. git rerere is on in the fork (its own config and
+git dir), so a resolution made before an `--abort` is offered again on the next try.
 `--dry-run` is `tools.forks.rehearsal`: the whole replay in a scratch repository.
 """
 
@@ -10,17 +17,36 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tools.forks import git, ops
 from tools.forks import manifest as manifest_mod
+from tools.forks import port as port_mod
 from tools.forks.manifest import Fork
+from tools.forks.port import Entry, Port
+from tools.forks.series import Series
 
 STATE_FILE = "recipe-rebase.json"
+CLEAN, MERGED, CONFLICT = "clean", "3-way", "conflict"
+Say = Callable[[str], None]
 
 
 class RebaseStopped(ops.ForkError):
-    """The replay stopped on a conflict; the message says where and how to go on."""
+    """The replay stopped (a conflict, or whys to write); the message says where and how to go on."""
+
+
+@dataclass(frozen=True)
+class Drop:
+    """`--drop NAME --why TEXT [--obsolete]`."""
+
+    name: str
+    why: str
+    verdict: str = port_mod.DROPPED
 
 
 def _state_path(repo: Path) -> Path:
@@ -36,7 +62,39 @@ def is_release(onto: str) -> bool:
     return "==" in onto
 
 
-def start(root: Path, fork: Fork, onto: str) -> str:
+def _quiet(_line: str) -> None:
+    pass
+
+
+# ---------------------------------------------------------------- start
+
+
+def start(root: Path, fork: Fork, onto: str, say: Say = _quiet, drop: Drop | None = None) -> str:
+    st = _startable(root, fork, onto)
+    new_base = git.resolve(st.path, onto) or _fetch(st.path, fork, onto)
+    port = _open_port(root, fork, st, onto, new_base, say)
+    if drop:
+        _mark(root, fork, port, load_entry(port, drop.name), drop)
+    port.sessions.append(port_mod.Session(_now()))
+    data = {
+        "fork": fork.name,
+        "port": str(port.dir.relative_to(root)),
+        "to_ref": onto,
+        "old_tip": st.tip,
+        "upstream": git.patch_ids_of_range(st.path, f"{st.base}..{new_base}"),
+        "current": None,
+        "stopped_at": None,
+        "conflicts": [],
+        "session": len(port.sessions) - 1,
+        "clock": time.time(),
+    }
+    _save_port(port, data)
+    git.enable_rerere(st.path)
+    git.run(st.path, "checkout", "--quiet", "-B", _scratch(fork), new_base)
+    return _replay(root, fork, st.path, data, port, 0, say)
+
+
+def _startable(root: Path, fork: Fork, onto: str) -> ops.State:
     st = ops.state(root, fork)
     if is_release(onto):
         raise ops.ForkError(f"{fork.name}: --onto {onto} is a PyPI release, which names no upstream commit for"
@@ -47,28 +105,13 @@ def start(root: Path, fork: Fork, onto: str) -> str:
         raise ops.ForkError(f"{fork.name}: rebase needs the upstream history; this tree is {st.source}."
                             f" Run `python -m tools.forks sync {fork.name} --source git --force` first")
     if _state_path(st.path).exists():
-        raise ops.ForkError(f"{fork.name}: a rebase is already under way; use --continue or --abort")
+        raise ops.ForkError(f"{fork.name}: a rebase is already under way; use --continue, --drop or --abort"
+                            f" (`python -m tools.forks rebase {fork.name} --status` says where it stopped)")
     ops._require_no_local_work(st)
     if not ops.is_current(st):
         raise ops.ForkError(f"{fork.name}: {fork.branch} is not the series on disk; run"
                             f" `python -m tools.forks apply {fork.name}` first")
-    new_base = git.resolve(st.path, onto) or _fetch(st.path, fork, onto)
-    upstream = git.patch_ids_of_range(st.path, f"{st.base}..{new_base}")
-    data = {
-        "fork": fork.name,
-        "from_ref": fork.ref,
-        "from": st.base,
-        "to_ref": onto,
-        "to": new_base,
-        "old_tip": st.tip,
-        "patches": st.series.names(),
-        "next": 0,
-        "kept": [],
-        "dropped": [],
-        "upstream": upstream,
-    }
-    git.run(st.path, "checkout", "--quiet", "-B", _scratch(fork), new_base)
-    return _replay(root, fork, st.path, data)
+    return st
 
 
 def _fetch(repo: Path, fork: Fork, onto: str) -> str:
@@ -81,125 +124,356 @@ def _fetch(repo: Path, fork: Fork, onto: str) -> str:
                         f" {fork.url}; fetch it there first or name a tag or commit that exists")
 
 
-def _replay(root: Path, fork: Fork, repo: Path, data: dict) -> str:
-    patch_dir = root / fork.patches
-    while data["next"] < len(data["patches"]):
-        name = data["patches"][data["next"]]
-        text = (patch_dir / name).read_text(encoding="utf-8")
-        landed = data["upstream"].get(git.patch_id(repo, text) or "")
-        if landed:
-            data["dropped"].append({"patch": name, "why": f"already upstream as {landed[:12]}"})
+def _open_port(root: Path, fork: Fork, st: ops.State, onto: str, new_base: str, say: Say) -> Port:
+    """The port for `onto`: read and matched with the old series where it exists, else begun (all pending)."""
+    directory = port_mod.dir_for(root, fork.name, _label(onto))
+    old = [name.removesuffix(".patch") for name in st.series.names()]
+    if not (directory / port_mod.PORT_FILE).exists():
+        port = Port(directory, fork.name, fork.ref, st.base, onto, new_base, [Entry(n) for n in old])
+        port_mod.write_series(port, st.series.layout())
+        say(f"{fork.name}: new port {directory.relative_to(root)} ({len(old)} patches pending)")
+        return port
+    port = load_port(directory)
+    _require_matches(port, fork, st, new_base)
+    _follow_series(port, old, say)
+    counts = ", ".join(f"{v} {port.count(v)}" for v in port_mod.VERDICTS if port.count(v))
+    say(f"{fork.name}: port {directory.relative_to(root)} ({counts})")
+    return port
+
+
+def load_port(directory: Path) -> Port:
+    try:
+        return port_mod.load(directory)
+    except port_mod.PortError as exc:
+        raise ops.ForkError(str(exc)) from None
+
+
+def _require_matches(port: Port, fork: Fork, st: ops.State, new_base: str) -> None:
+    where = port.dir / port_mod.PORT_FILE
+    if port.fork != fork.name:
+        raise ops.ForkError(f"{where}: fork = {port.fork!r}, but it sits where {fork.name}'s port goes; fix `fork`")
+    if port.from_ != st.base:
+        raise ops.ForkError(f"{where}: the port starts from {port.from_ref} ({port.from_[:12]}), the pin is"
+                            f" {fork.ref} ({st.base[:12]}); set the pin back, or move the port away to begin anew")
+    if port.to != new_base:
+        raise ops.ForkError(f"{where}: to = {port.to[:12]}, but {port.to_ref} is {new_base[:12]} here (a moved"
+                            " tag?); fix `to`, or move the port away to begin anew")
+
+
+def _follow_series(port: Port, old: list[str], say: Say) -> None:
+    """Order the port's entries as the old series, new patches of the series (merged meanwhile) pending."""
+    gone = [e.name for e in port.entries if e.name not in old]
+    if gone:
+        raise ops.ForkError(f"{port.dir / port_mod.PORT_FILE}: {', '.join(gone)} no longer in the {port.fork}"
+                            " series; restore them there, or delete their [[patch]] tables (and files) here")
+    by_name = {e.name: e for e in port.entries}
+    added = [n for n in old if n not in by_name]
+    port.entries = [by_name.get(n) or Entry(n) for n in old]
+    if added:
+        say(f"{port.fork}: pending, new in the series since the port began: {', '.join(added)}")
+
+
+# ---------------------------------------------------------------- replay
+
+
+def _replay(root: Path, fork: Fork, repo: Path, data: dict, port: Port, first: int, say: Say) -> str:
+    total = len(port.entries)
+    for i in range(first, total):
+        entry = port.entries[i]
+        if entry.verdict in port_mod.SKIPPED:
+            say(f"[{i + 1}/{total}] {entry.name}: {entry.verdict}")
+        elif entry.verdict in port_mod.CARRIED:
+            how = _attempt(root, fork, repo, data, port, i, port.dir / entry.file, say)
+            say(f"[{i + 1}/{total}] {entry.name}: {how}, {entry.verdict} (from the port)")
         else:
-            before = git.out(repo, "rev-parse", "HEAD")
-            proc = git.run(repo, *ops.AM_OPTIONS, str(patch_dir / name), env=git.TOOL_IDENTITY,
-                           config=git.NO_SIGNING, check=False)
-            if proc.returncode != 0:
-                data["stopped_at"] = before
-                _save(repo, data)
-                files = git.unmerged_paths(repo) or ["(see git am output)"]
-                raise RebaseStopped(
-                    f"{fork.name}: {name} conflicts with {data['to_ref']} in {', '.join(files)}.\n"
-                    f"  resolve the files in {repo}, `git -C {repo} add` them, then"
-                    f" `python -m tools.forks rebase {fork.name} --continue`;"
-                    f" or give up with `python -m tools.forks rebase {fork.name} --abort`"
-                )
-            _note(data, repo, name, before)
-        data["next"] += 1
-    return _finish(root, fork, repo, data)
+            _take(root, fork, repo, data, port, i, say)
+    return _finish_or_wait(root, fork, repo, data, port)
 
 
-def _note(data: dict, repo: Path, name: str, before: str) -> None:
-    if git.out(repo, "rev-parse", "HEAD") == before:
-        data["dropped"].append({"patch": name, "why": "emptied by the replay (its change is upstream)"})
+def _take(root: Path, fork: Fork, repo: Path, data: dict, port: Port, i: int, say: Say) -> None:
+    """A pending patch of the old series: dropped when upstream has it, else applied and recorded."""
+    entry, total = port.entries[i], len(port.entries)
+    path = root / fork.patches / entry.file
+    landed = data["upstream"].get(git.patch_id(repo, path.read_text(encoding="utf-8")) or "")
+    if landed:
+        subject = git.out(repo, "log", "-1", "--format=%s", landed)
+        _mark(root, fork, port, entry, Drop(entry.name, f"already upstream as {landed[:12]} ({subject})"))
+        _save_port(port, data, decided=1)
+        say(f"[{i + 1}/{total}] {entry.name}: dropped (already upstream as {landed[:12]})")
+        return
+    before = git.out(repo, "rev-parse", "HEAD")
+    how = _attempt(root, fork, repo, data, port, i, path, say)
+    _record(root, fork, repo, port, entry, before, None)
+    _save_port(port, data, decided=1)
+    verdict = {port_mod.PORTED: "", port_mod.REWORKED: ", reworked (its changed lines differ)",
+               port_mod.DROPPED: " -> dropped (emptied by the replay)"}[entry.verdict]
+    say(f"[{i + 1}/{total}] {entry.name}: {how}{verdict}")
+
+
+def _attempt(root: Path, fork: Fork, repo: Path, data: dict, port: Port, i: int, path: Path, say: Say) -> str:
+    """`git am --3way` one patch: CLEAN or MERGED, or stop the replay on a conflict."""
+    before = git.out(repo, "rev-parse", "HEAD")
+    as_is = git.run(repo, "apply", "--check", str(path), check=False).returncode == 0
+    proc = git.run(repo, *ops.AM_OPTIONS, str(path), env=git.TOOL_IDENTITY, config=git.NO_SIGNING, check=False)
+    if proc.returncode == 0:
+        return CLEAN if as_is else MERGED
+    entry = port.entries[i]
+    data.update(current=entry.name, stopped_at=before, conflicts=git.unmerged_paths(repo))
+    _save_state(repo, data)
+    _save_port(port, data)
+    say(f"[{i + 1}/{len(port.entries)}] {entry.name}: {CONFLICT}")
+    origin = "the port's copy" if path.parent == port.dir else "from the old series"
+    raise RebaseStopped(_stop_message(fork, repo, data, entry, origin, proc))
+
+
+def _stop_message(fork: Fork, repo: Path, data: dict, entry: Entry, origin: str, proc) -> str:
+    cmd = f"python -m tools.forks rebase {fork.name}"
+    if data["conflicts"]:
+        head = (f"{fork.name}: {entry.file} conflicts with {data['to_ref']} in {', '.join(data['conflicts'])}"
+                f" ({origin}).\n  resolve the files in {repo}, `git -C {repo} add` them")
+    elif git.am_in_progress(repo) and git.staged_changes(repo):
+        head = (f"{fork.name}: {entry.file} conflicted with {data['to_ref']}; git rerere replayed the resolution"
+                f" recorded in an earlier try and staged it.\n  review it (`git -C {repo} diff --cached`)")
     else:
-        data["kept"].append(name)
+        said = (proc.stderr + proc.stdout).strip().splitlines()
+        head = (f"{fork.name}: git am could not apply {entry.file} ({origin}): {said[0] if said else ''}.\n"
+                f"  apply it by hand in {repo} (`git -C {repo} am --show-current-patch=diff`), `git add`")
+    return (f"{head}, then `{cmd} --continue --why \"what changed and why\"`;\n"
+            f"  or skip it: `{cmd} --drop {entry.name} --why \"upstream does X in file:function (PR #N)\"`"
+            f" (add --obsolete when nothing needs it any more);\n"
+            f"  or stop: `{cmd} --abort` (the port keeps what got through; rerere keeps your resolutions)")
 
 
-def _save(repo: Path, data: dict) -> None:
+def _record(root: Path, fork: Fork, repo: Path, port: Port, entry: Entry, before: str, why: str | None) -> None:
+    """Write what the replay made of `entry` into the port: its patch file and its verdict."""
+    head = git.out(repo, "rev-parse", "HEAD")
+    old_text = (root / fork.patches / entry.file).read_text(encoding="utf-8")
+    if head == before:
+        files = sorted({line.split(" b/", 1)[-1] for line in git.changed_lines(old_text)
+                        if line.startswith("diff --git ")})
+        _mark(root, fork, port, entry, Drop(entry.name, why or "emptied by the replay: upstream's tree already"
+                                            f" has its change to {', '.join(files)}"))
+        return
+    text = git.format_patch(repo, head)
+    same = git.changed_lines(text) == git.changed_lines(old_text)
+    entry.verdict = port_mod.PORTED if same else port_mod.REWORKED
+    kept = "" if entry.why == port_mod.PLACEHOLDER else entry.why
+    entry.why = why or kept or ("" if same else port_mod.PLACEHOLDER)
+    port_mod.write_patch(port, entry, text)
+    port_mod.write_series(port, Series(root / fork.patches).layout())
+
+
+def _mark(root: Path, fork: Fork, port: Port, entry: Entry, drop: Drop) -> None:
+    entry.verdict, entry.why = drop.verdict, drop.why
+    port_mod.remove_patch(port, entry)
+    port_mod.write_series(port, Series(root / fork.patches).layout())
+
+
+def _save_state(repo: Path, data: dict) -> None:
     _state_path(repo).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
+def _save_port(port: Port, data: dict, decided: int = 0) -> None:
+    """port.toml, with this session's time so far and the patches given a verdict in it."""
+    _tick(port, data, decided)
+    port_mod.save(port)
+
+
+def _tick(port: Port, data: dict, decided: int = 0) -> None:
+    if data["session"] >= len(port.sessions):  # its [[session]] was deleted by hand meanwhile
+        port.sessions.append(port_mod.Session(_now()))
+        data["session"] = len(port.sessions) - 1
+    session = port.sessions[data["session"]]
+    session.elapsed = int(time.time() - data["clock"])
+    session.patches += decided
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _load(repo: Path, fork: Fork) -> dict:
-    path = _state_path(repo)
-    if not path.exists():
-        raise ops.ForkError(f"{fork.name}: no rebase under way")
-    return json.loads(path.read_text(encoding="utf-8"))
+    path = _state_path(repo) if git.is_repo_root(repo) else None
+    if path is None or not path.exists():
+        raise ops.ForkError(f"{fork.name}: no rebase under way on this machine; start or pick up a port with"
+                            f" `python -m tools.forks rebase {fork.name} --onto REF`")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if "port" not in data:
+        raise ops.ForkError(f"{fork.name}: this rebase was begun by an older tools.forks, without a port; run"
+                            f" `python -m tools.forks rebase {fork.name} --abort` and start it again")
+    return data
 
 
-def resume(root: Path, fork: Fork) -> str:
+# ---------------------------------------------------------------- continue, drop, abort
+
+
+def resume(root: Path, fork: Fork, why: str | None = None, say: Say = _quiet) -> str:
     repo = root / fork.path
     data = _load(repo, fork)
-    name = data["patches"][data["next"]]
-    if git.am_in_progress(repo):
-        unmerged = git.unmerged_paths(repo)
-        if unmerged:
-            raise RebaseStopped(f"{fork.name}: still unmerged: {', '.join(unmerged)}; resolve and"
-                                f" `git -C {repo} add` them, then --continue")
-        before = git.out(repo, "rev-parse", "HEAD")
-        staged = git.run(repo, "diff", "--cached", "--quiet", check=False).returncode != 0
-        if staged:
-            # Same committer and date as `apply` would give, so the branch is reproducible.
-            headers, _ = git.mailinfo((root / fork.patches / name).read_text(encoding="utf-8"), repo)
-            env = {**git.TOOL_IDENTITY, "GIT_COMMITTER_DATE": headers["Date"]}
-            git.run(repo, "am", "--continue", env=env, config=git.NO_SIGNING)
-        else:
-            git.run(repo, "am", "--skip")
-        _note(data, repo, name, before)
-    else:  # the user finished (or skipped) the patch with git am by hand
-        _note(data, repo, name, data["stopped_at"])
-    data["next"] += 1
-    return _replay(root, fork, repo, data)
+    port = load_port(root / data["port"])
+    if data["current"] is None:  # every patch was through; whys were missing
+        if why:
+            raise ops.ForkError(f"{fork.name}: no patch is stopped for --why to go to; write the whys in"
+                                f" {data['port']}/{port_mod.PORT_FILE}, then --continue")
+        return _finish_or_wait(root, fork, repo, data, port)
+    i, entry = _stopped_entry(port, data)
+    _conclude_am(root, fork, repo, entry)
+    _record(root, fork, repo, port, entry, data["stopped_at"], why)
+    data.update(current=None, stopped_at=None, conflicts=[])
+    _save_port(port, data, decided=1)
+    say(f"[{i + 1}/{len(port.entries)}] {entry.name}: resolved, {entry.verdict}")
+    return _replay(root, fork, repo, data, port, i + 1, say)
+
+
+def _stopped_entry(port: Port, data: dict) -> tuple[int, Entry]:
+    entry = load_entry(port, data["current"])
+    return port.entries.index(entry), entry
+
+
+def load_entry(port: Port, name: str) -> Entry:
+    try:
+        return port.entry(name)
+    except port_mod.PortError as exc:
+        raise ops.ForkError(str(exc)) from None
+
+
+def _conclude_am(root: Path, fork: Fork, repo: Path, entry: Entry) -> None:
+    """Commit the resolved patch (or skip it when the resolution left nothing), unless done by hand."""
+    if not git.am_in_progress(repo):
+        return  # the user finished (or skipped) the patch with git am by hand
+    unmerged = git.unmerged_paths(repo)
+    if unmerged:
+        raise RebaseStopped(f"{fork.name}: still unmerged: {', '.join(unmerged)}; resolve and"
+                            f" `git -C {repo} add` them, then --continue")
+    if not git.staged_changes(repo):
+        git.run(repo, "am", "--skip")
+        return
+    # Same committer and date as `apply` would give, so the branch is reproducible.
+    headers, _ = git.mailinfo((root / fork.patches / entry.file).read_text(encoding="utf-8"), repo)
+    env = {**git.TOOL_IDENTITY, "GIT_COMMITTER_DATE": headers["Date"]}
+    git.run(repo, "am", "--continue", env=env, config=git.NO_SIGNING)
+
+
+def drop(root: Path, fork: Fork, drop: Drop, say: Say = _quiet) -> str:
+    """Skip a patch for good: the stopped one (the replay goes on), a later pending one, or with no replay
+    under way any patch of the fork's port."""
+    repo = root / fork.path
+    if not (git.is_repo_root(repo) and _state_path(repo).exists()):
+        return _drop_at_rest(root, fork, drop)
+    data = _load(repo, fork)
+    port = load_port(root / data["port"])
+    entry = load_entry(port, drop.name)
+    i = port.entries.index(entry)
+    if entry.name == data["current"]:
+        if git.am_in_progress(repo):
+            git.run(repo, "am", "--abort")
+        git.run(repo, "reset", "--quiet", "--hard", data["stopped_at"])
+        _mark(root, fork, port, entry, drop)
+        data.update(current=None, stopped_at=None, conflicts=[])
+        _save_port(port, data, decided=1)
+        say(f"[{i + 1}/{len(port.entries)}] {entry.name}: {entry.verdict}")
+        return _replay(root, fork, repo, data, port, i + 1, say)
+    stopped = _stopped_entry(port, data)[0] if data["current"] else len(port.entries)
+    if entry.verdict != port_mod.PENDING or i < stopped:
+        raise ops.ForkError(f"{fork.name}: {entry.name} is {entry.verdict} and already replayed; --drop takes the"
+                            f" stopped patch or a pending one after it. Or --abort, then --drop it")
+    _mark(root, fork, port, entry, drop)
+    _save_port(port, data, decided=1)
+    return f"{entry.name}: {entry.verdict}, recorded; still stopped at {data['current']}"
+
+
+def _drop_at_rest(root: Path, fork: Fork, drop: Drop) -> str:
+    dirs = port_dirs(root, fork.name)
+    if len(dirs) != 1:
+        found = ", ".join(d.name for d in dirs) or "none"
+        raise ops.ForkError(f"{fork.name}: --drop without a replay under way needs exactly one port of the fork"
+                            f" (found: {found}); name it with --onto REF (that also starts the replay)")
+    port = load_port(dirs[0])
+    entry = load_entry(port, drop.name)
+    _mark(root, fork, port, entry, drop)
+    port_mod.save(port)
+    return f"{entry.name}: {entry.verdict}, recorded in {dirs[0].relative_to(root)}"
+
+
+def port_dirs(root: Path, fork_name: str) -> list[Path]:
+    """The port directories of one fork (by port.toml's `fork`; by name where port.toml is unreadable)."""
+    found = []
+    for directory in port_mod.all_dirs(root):
+        try:
+            mine = port_mod.load(directory).fork == fork_name
+        except port_mod.PortError:
+            mine = directory.name.startswith(f"{fork_name}-")
+        if mine:
+            found.append(directory)
+    return found
 
 
 def abort(root: Path, fork: Fork) -> str:
     repo = root / fork.path
-    _load(repo, fork)
+    data = _raw_state(repo, fork)  # also a state of an older tools.forks, without a port
     if git.am_in_progress(repo):
+        git.record_resolutions(repo)  # rerere keeps what was resolved so far, for the next try
         git.run(repo, "am", "--abort")
     git.run(repo, "checkout", "--quiet", "--force", fork.branch)
     git.run(repo, "branch", "--quiet", "-D", _scratch(fork))
+    kept = ""
+    if "port" in data and (root / data["port"] / port_mod.PORT_FILE).exists():
+        port = load_port(root / data["port"])
+        _save_port(port, data)
+        kept = (f"; the port {data['port']} keeps {len(port.entries) - len(port.pending())} verdicts:"
+                f" `python -m tools.forks rebase {fork.name} --onto {data['to_ref']}` goes on from it"
+                " (delete it to begin anew)")
     _state_path(repo).unlink()
-    return f"rebase aborted; {fork.branch} unchanged"
+    return f"rebase aborted; {fork.branch} unchanged{kept}"
 
 
-def _finish(root: Path, fork: Fork, repo: Path, data: dict) -> str:
+def _raw_state(repo: Path, fork: Fork) -> dict:
+    path = _state_path(repo) if git.is_repo_root(repo) else None
+    if path is None or not path.exists():
+        raise ops.ForkError(f"{fork.name}: no rebase under way on this machine")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------- finish
+
+
+def _finish_or_wait(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
+    unexplained = [e.name for e in port.entries if e.unexplained]
+    if not unexplained:
+        return _finish(root, fork, repo, data, port)
+    data.update(current=None, stopped_at=None, conflicts=[])
+    _save_state(repo, data)
+    _save_port(port, data)
+    raise RebaseStopped(f"{fork.name}: every patch is through, but {len(unexplained)} verdict(s) have no why yet:"
+                        f" {', '.join(unexplained)}.\n  write each in {data['port']}/{port_mod.PORT_FILE}"
+                        f" (why = \"...\"), then `python -m tools.forks rebase {fork.name} --continue`")
+
+
+def _finish(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
     new_tip = git.out(repo, "rev-parse", "HEAD")
     git.run(repo, "update-ref", ops.BACKUP_REF.format(fork.name), data["old_tip"])
     git.run(repo, "checkout", "--quiet", "-B", fork.branch, new_tip)
     git.run(repo, "branch", "--quiet", "-D", _scratch(fork))
-    git.set_config(repo, "recipe.base", data["to"])
-    changed = _changed(repo, data)
-    range_diff = git.out(repo, "range-diff", "--no-color", f"{data['from']}..{data['old_tip']}",
-                         f"{data['to']}..{new_tip}")
+    git.set_config(repo, "recipe.base", port.to)
+    range_diff = git.out(repo, "range-diff", "--no-color", f"{port.from_}..{data['old_tip']}",
+                         f"{port.to}..{new_tip}")
     # Move the pin first: export reads the base from forks.toml.
-    manifest_path = root / manifest_mod.MANIFEST
-    manifest_mod.set_keys(manifest_path, fork.name, {"ref": data["to_ref"], "commit": data["to"]})
+    manifest_mod.set_keys(root / manifest_mod.MANIFEST, fork.name, {"ref": port.to_ref, "commit": port.to})
     moved = manifest_mod.load(root).forks[fork.name]
-    ops.set_gitlink(root, fork, data["to"])
+    ops.set_gitlink(root, fork, port.to)
     ops.export(root, moved)
-    report = report_path(root, fork, data["from_ref"], data["to_ref"])
-    report.write_text(_report(fork, data, changed, range_diff), encoding="utf-8")
+    _tick(port, data)  # the last session's time, for the report
+    report = report_path(root, fork, port.from_ref, port.to_ref)
+    report.write_text(_report(port, range_diff), encoding="utf-8")
+    shutil.rmtree(port.dir)
     _state_path(repo).unlink(missing_ok=True)
-    summary = (f"rebased {fork.name} onto {data['to_ref']} ({data['to'][:12]}): kept {len(data['kept'])},"
-               f" dropped {len(data['dropped'])}, changed {len(changed)}; report {report.relative_to(root)}")
+    kept, dropped = len(port.carried()), len(port.entries) - len(port.carried())
+    summary = (f"rebased {fork.name} onto {port.to_ref} ({port.to[:12]}): kept {kept}, dropped {dropped},"
+               f" changed {port.count(port_mod.REWORKED)}; report {report.relative_to(root)}")
     if fork.pypi:
         summary += (f"\nnote: forks.{fork.name}.pypi still names {fork.pypi.requirement}, the old pin's"
                     " distribution: set requirement, file and sha256 for the new release, or remove it")
     return summary
-
-
-def _changed(repo: Path, data: dict) -> list[str]:
-    """Kept patches whose diff differs after the replay (context moved or conflict resolved)."""
-    old = git.commits(repo, data["from"], data["old_tip"])
-    new = git.commits(repo, data["to"], git.out(repo, "rev-parse", "HEAD"))
-    old_by_name = dict(zip(data["patches"], old, strict=True))
-    changed = []
-    for name, sha in zip(data["kept"], new, strict=True):
-        before = git.patch_id(repo, git.out(repo, "show", "--no-color", old_by_name[name]))
-        after = git.patch_id(repo, git.out(repo, "show", "--no-color", sha))
-        if before != after:
-            changed.append(name)
-    return changed
 
 
 def report_path(root: Path, fork: Fork, from_ref: str, to_ref: str) -> Path:
@@ -211,19 +485,31 @@ def _label(ref: str) -> str:
     return ref[:12] if re.fullmatch(r"[0-9a-f]{40}", ref) else re.sub(r"[^A-Za-z0-9._-]+", "_", ref)
 
 
-def _report(fork: Fork, data: dict, changed: list[str], range_diff: str) -> str:
+def duration(seconds: int) -> str:
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"
+
+
+def _report(port: Port, range_diff: str) -> str:
+    counts = ", ".join(f"{v} {port.count(v)}" for v in port_mod.VERDICTS if v != port_mod.PENDING)
     lines = [
-        f"# {fork.name}: series rebased from {data['from_ref']} to {data['to_ref']}",
+        f"# {port.fork}: series rebased from {port.from_ref} to {port.to_ref}",
         "",
-        f"- from: `{data['from_ref']}` ({data['from']})",
-        f"- to: `{data['to_ref']}` ({data['to']})",
-        f"- kept: {len(data['kept'])}, dropped: {len(data['dropped'])}, changed: {len(changed)}",
+        f"- from: `{port.from_ref}` ({port.from_})",
+        f"- to: `{port.to_ref}` ({port.to})",
+        f"- kept: {len(port.carried())}, dropped: {len(port.entries) - len(port.carried())}, changed:"
+        f" {port.count(port_mod.REWORKED)} ({counts})",
+        f"- time: {duration(port.elapsed)} over {len(port.sessions)} session(s), conflicts resolved included",
         "",
-        "## Kept",
-        *([f"- {name}{' (changed)' if name in changed else ''}" for name in data["kept"]] or ["- none"]),
+        "## Verdicts",
         "",
-        "## Dropped",
-        *([f"- {d['patch']}: {d['why']}" for d in data["dropped"]] or ["- none"]),
+        "| # | patch | verdict | why |",
+        "|---|---|---|---|",
+        *(f"| {i} | {e.file} | {e.verdict} | {e.why.replace('|', chr(92) + '|')} |"
+          for i, e in enumerate(port.entries, 1)),
+        "",
+        "ported: the same changed lines (context may have moved). reworked: changed lines differ. dropped: upstream"
+        " has the equivalent. obsolete: nothing needs it any more.",
         "",
         "## git range-diff (old series vs new series)",
         "",
@@ -233,3 +519,78 @@ def _report(fork: Fork, data: dict, changed: list[str], range_diff: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- status and check
+
+
+def status(root: Path, fork: Fork, onto: str | None = None) -> tuple[list[tuple[str, ...]], list[str]]:
+    """Rows (verdict, count, patches) and lines saying where the port stands."""
+    repo = root / fork.path
+    data = _load(repo, fork) if git.is_repo_root(repo) and _state_path(repo).exists() else None
+    port = load_port(_port_dir(root, fork, onto, data))
+    rows = [("verdict", "count", "patches")]
+    for verdict in port_mod.VERDICTS:
+        names = [e.name for e in port.entries if e.verdict == verdict]
+        shown = ", ".join(names[:3]) + (f" (+{len(names) - 3})" if len(names) > 3 else "")
+        rows.append((verdict, str(len(names)), shown))
+    return rows, _where(root, fork, port, data)
+
+
+def _port_dir(root: Path, fork: Fork, onto: str | None, data: dict | None) -> Path:
+    if data:
+        return root / data["port"]
+    if onto:
+        return port_mod.dir_for(root, fork.name, _label(onto))
+    dirs = port_dirs(root, fork.name)
+    if len(dirs) != 1:
+        raise ops.ForkError(f"{fork.name}: {len(dirs)} ports ({', '.join(d.name for d in dirs) or 'none'});"
+                            " name one with --onto REF")
+    return dirs[0]
+
+
+def _where(root: Path, fork: Fork, port: Port, data: dict | None) -> list[str]:
+    lines = [f"port: {port.dir.relative_to(root)} ({port.from_ref} -> {port.to_ref}), {len(port.entries)} patches"]
+    if data and data["current"]:
+        i = [e.name for e in port.entries].index(data["current"]) + 1
+        files = git.unmerged_paths(root / fork.path) or data["conflicts"]
+        lines.append(f"stopped at [{i}/{len(port.entries)}] {data['current']}; conflicted:"
+                     f" {', '.join(files) or 'none left (resolved): --continue'}")
+    elif data:
+        lines.append("every patch is through; whys to write: "
+                     + ", ".join(e.name for e in port.entries if e.unexplained))
+    else:
+        lines.append(f"no replay under way here; `python -m tools.forks rebase {fork.name} --onto {port.to_ref}`"
+                     " replays the port and goes on")
+    pending = [e.name for e in port.pending()]
+    lines.append(f"left: {len(pending)} pending" + (f", next {pending[0]}" if pending else ""))
+    unexplained = [e.name for e in port.entries if e.unexplained]
+    if unexplained:
+        lines.append(f"whys missing: {', '.join(unexplained)}")
+    lines.append(f"time: {duration(port.elapsed)} over {len(port.sessions)} session(s)")
+    return lines
+
+
+def check_port(root: Path, fork: Fork | None, directory: Path) -> tuple[list[str], str]:
+    """Lint one port directory and, where the fork's source holds `to`, apply its patches onto `to` in a
+    scratch index (nothing of the fork changes). Returns (problems, what was done)."""
+    try:
+        port = port_mod.load(directory)
+    except port_mod.PortError as exc:
+        return [str(exc)], "port.toml unreadable"
+    if fork is None or port.fork != fork.name:
+        return [f"{directory / port_mod.PORT_FILE}: fork = {port.fork!r} is not in forks.toml (or not this"
+                " directory's fork); fix `fork` or move the port"], "lint only"
+    problems = port_mod.problems(port, root)
+    st = ops.state(root, fork)
+    if st.source == "absent":
+        return problems, "lint only (source absent)"
+    if st.source != "git" or git.resolve(st.path, port.to) is None:
+        return problems, (f"lint only: {port.to_ref} ({port.to[:12]}) is not in the {st.source} tree at"
+                          f" {fork.path} (sync it with --source git to replay the port)")
+    failed = git.apply_check(st.path, port.to, [port.dir / e.file for e in port.carried()
+                                                if (port.dir / e.file).is_file()])
+    if failed:
+        problems.append(f"{failed[0]}: does not apply onto {port.to_ref} after the port's patches before it:"
+                        f" {failed[1]}")
+    return problems, f"lint + the port's patches apply onto {port.to_ref}"

@@ -216,10 +216,14 @@ def lint(series: Series, cwd: Path) -> list[str]:
     for name in series.files_on_disk():
         if name not in listed:
             problems.append(f"{series.dir / name}: not listed in `series`; add it or delete it")
+    return problems + lint_patches([p for p in series.paths() if p.is_file()], cwd)
+
+
+def lint_patches(paths: list[Path], cwd: Path) -> list[str]:
+    """Problems of the patch files themselves: subject, body, trailers, fit to send upstream."""
+    problems: list[str] = []
     subjects: dict[str, str] = {}
-    for path in series.paths():
-        if not path.is_file():
-            continue
+    for path in paths:
         patch = parse(path, cwd)
         where = f"{path}"
         if not patch.subject:
@@ -322,8 +326,17 @@ def write(series: Series, rendered: dict[str, str]) -> list[str]:
         if name not in rendered:
             path.unlink()
             continue
-        fd, tmp = tempfile.mkstemp(dir=series.dir, prefix=f".{name}.")
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(rendered[name])
-        os.replace(tmp, path)
+        replace_text(path, rendered[name])
     return touched
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` byte for byte (no newline translation) through a temp file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+        handle.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a file of the repository is for everyone
+    os.replace(tmp, path)
