@@ -212,24 +212,6 @@ def test_an_interrupted_build_leaves_no_wheel_in_the_cache(fake_stack, monkeypat
         next(s for s in build_plan(fake_stack.context()) if s.name == "vllm").wheel.folder.name]
 
 
-def test_a_missing_header_fails_before_building_and_names_the_fix(fake_stack, monkeypatch):
-    from tools.install import plan as plan_mod
-
-    monkeypatch.setattr(plan_mod, "VLLM_CPU_HEADERS", (("rl_recipe_no_such_header.h", "apt-get install libnuma-dev"),))
-    with pytest.raises(InstallError) as err:
-        install(fake_stack)
-    assert "rl_recipe_no_such_header.h" in str(err.value) and "apt-get install libnuma-dev" in str(err.value)
-    assert "vllm" not in fake_stack.order(), "nothing was compiled"
-
-
-def test_missing_headers_asks_the_compiler():
-    from tools.install import wheels
-
-    assert wheels.missing_headers((("stdio.h", "fix"),)) == []
-    assert wheels.missing_headers((("rl_recipe_no_such_header.h", "the fix"),)) == [
-        ("rl_recipe_no_such_header.h", "the fix")]
-
-
 def test_the_cache_location_follows_the_environment(tmp_path):
     from tools.install import wheels
 

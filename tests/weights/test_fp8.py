@@ -311,11 +311,31 @@ def test_destination_inside_the_source_is_refused(fp8_checkpoint, capsys):
     assert not (fp8_checkpoint / "bf16").exists()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_truncated_shard_fails_midway_leaving_only_recorded_shards(fp8_checkpoint, tmp_path, capsys, workers):
+def test_a_truncated_shard_is_refused_before_any_work(fp8_checkpoint, tmp_path, capsys):
     shards = sorted(fp8_checkpoint.glob("*.safetensors"))
     data = shards[1].read_bytes()
     shards[1].write_bytes(data[:len(data) // 2])
+    dst = tmp_path / "bf16"
+
+    code, err = run_cli(fp8_checkpoint, dst, capsys)
+
+    assert code == 2 and f"{shards[1]}: not a readable safetensors file" in err and "(truncated?)" in err
+    assert not dst.exists() or file_bytes(dst) == {}, "the shard headers are checked before anything is written"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_shard_truncated_during_the_run_fails_midway_leaving_only_recorded_shards(fp8_checkpoint, tmp_path, capsys,
+                                                                                      monkeypatch, workers):
+    shards = sorted(fp8_checkpoint.glob("*.safetensors"))
+    data = shards[1].read_bytes()
+    planned = fp8.plan
+
+    def plan_then_truncate(src):  # the headers pass the plan's checks, then the file shrinks under the run
+        todo = planned(src)
+        shards[1].write_bytes(data[:len(data) // 2])
+        return todo
+
+    monkeypatch.setattr(fp8, "plan", plan_then_truncate)
     dst = tmp_path / "bf16"
 
     code, err = run_cli(fp8_checkpoint, dst, capsys, "--workers", str(workers))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tools.forks.manifest import PROFILES, ManifestError, find_root, load
 from tools.install import plan as plan_mod
+from tools.install import system, wheels
 from tools.install import wheelhouse as wheelhouse_mod
-from tools.install import wheels
 from tools.install.run import InstallError, cann_home, execute
 
 DESCRIPTION = """\
@@ -33,11 +33,13 @@ have not changed, so a rerun is a no-op and a failed run resumes at the failed s
   python -m tools.install wheelhouse --device npu --dest wheels/ --platform manylinux_2_28_aarch64
   python -m tools.install --device npu --wheelhouse wheels/      # no network at all
 
-The cpu profile compiles vLLM's CPU kernels from the patched fork (needs numa.h: apt-get install
-libnuma-dev; about 5 minutes on 2 cores). The wheel is kept in a cache outside the venv, keyed by
-the vLLM pin, its series digest, torch, Python and the build flags, so another venv or a fresh clone
-on the same machine installs it in seconds: --wheel-cache DIR, else $RL_RECIPE_WHEEL_CACHE, else
-~/.cache/rl-recipe/wheels. Deleting that folder only costs a rebuild.
+The cpu profile compiles vLLM's CPU kernels from the patched fork (about 5 minutes on 2 cores). The
+build includes numa.h: when the C compiler cannot find it, a `system` step installs libnuma-dev with
+apt-get if the install runs as root, else the preflight stops with the command to run. The wheel
+is kept in a cache outside the venv, keyed by the vLLM pin, its series digest, torch, Python and
+the build flags, so another venv or a fresh clone on the same machine installs it in seconds (and
+needs no numa.h): --wheel-cache DIR, else $RL_RECIPE_WHEEL_CACHE, else ~/.cache/rl-recipe/wheels.
+Deleting that folder only costs a rebuild.
 
 Exit codes: 0 ok, 2 a step failed (the message names it and its log).
 """
@@ -177,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "lock":
             print(f"wrote {write_lock(ctx)}")
             return 0
+        # headers a build lacks: the system step apt-gets them where it may (root, apt-get), else the
+        # preflight stops with the command to run
+        ctx = replace(ctx, apt_packages=system.apt_packages(plan_mod.wheel_builds(ctx), ctx.wheelhouse))
         steps = plan_mod.build_plan(ctx)
         if args.dry_run:
             print(plan_mod.render(ctx, steps), end="")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.forks.manifest import Fork, Manifest, PyPISource
+from tools.install import system
 from tools.install.wheels import WheelBuild, default_cache
 
 # The builds run without isolation (the build must see the installed torch, and pip must not fetch
@@ -31,7 +32,7 @@ MIN_FREE_GIB = {"npu": 30, "cuda": 30, "cpu": 10}
 # GitHub at configure time; the AVX2 path fetches nothing, so it builds where only PyPI is reachable.
 # CMake >= 3.26 comes from the build-tools step (Debian 12 has 3.25), hence the venv's bin on PATH.
 VLLM_CPU_FLAGS = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_DISABLE_AVX512": "true"}
-VLLM_CPU_HEADERS = (("numa.h", "apt-get install libnuma-dev"),)
+VLLM_CPU_HEADERS = (system.NUMA,)
 VLLM_CPU_BUILD_TIME = "5 to 8 minutes on 2 cores"
 # vLLM's CUDA kernels for the cuda profile: the PyPI wheel of the release the fork is pinned at (built
 # for torch 2.7.0, the profile's torch). VLLM_USE_PRECOMPILED=1 alone downloads them from
@@ -46,7 +47,7 @@ VLLM_CUDA_KERNELS = PyPISource(
 class Step:
     name: str
     title: str
-    kind: str = "shell"  # shell | preflight | forks | smoke
+    kind: str = "shell"  # shell | preflight | system | forks | wheel | fetch | smoke
     commands: tuple[tuple[str, ...], ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     inputs: tuple[str, ...] = ()  # what else decides whether the step must run again
@@ -78,6 +79,9 @@ class Context:
     build_tools: tuple[str, ...] = BUILD_TOOLS
     wheel_cache: Path = field(default_factory=default_cache)  # built fork wheels, shared by every venv
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)  # MAX_JOBS of the kernel builds
+    # Debian packages of headers the builds need and the compiler lacks, for the system step; the CLI
+    # fills it when the install runs as root with apt-get (tools.install.system decides)
+    apt_packages: tuple[str, ...] = ()
 
     @property
     def venv_python(self) -> str:
@@ -169,10 +173,13 @@ def build_plan(ctx: Context) -> list[Step]:
     if ctx.device == "npu":
         checks.append(f"CANN {stack.get('cann')} with its set_env.sh sourced (ASCEND_TOOLKIT_HOME set)")
     checks.append(f"{MIN_FREE_GIB[ctx.device]} GiB free for {ctx.venv}")
+    if "vllm" in forks and ctx.device == "cpu":
+        checks.append(", ".join(h.name for h in VLLM_CPU_HEADERS) + " for vLLM's CPU kernels, unless cached")
     sources = [f"{f.name} (git, else {f.pypi.requirement})" if f.pypi else f"{f.name} (git only)"
                for f in forks.values()]
     steps = [
         Step("preflight", "Python, device toolkit and disk", kind="preflight", note="checks " + "; ".join(checks)),
+        *system_steps(ctx),
         Step("forks", f"forks for {ctx.device}: sync (git, else PyPI) and apply the series",
              kind="forks", inputs=tuple(x for f in forks.values() for x in fork_inputs(ctx, f)),
              note=f"as `python -m tools.forks sync --profile {ctx.device}` then `apply`: " + ", ".join(sources)),
@@ -208,7 +215,7 @@ def build_plan(ctx: Context) -> list[Step]:
                       commands=(_install(ctx, *req, build=False),),
                       inputs=tuple(_digest(p) for f in files for p in requirement_files(f))))
     steps.append(Step("smoke", "import every installed fork; write stack.json", kind="smoke",
-                      inputs=tuple(s.stamp() for s in steps)))
+                      inputs=tuple(s.stamp() for s in steps if s.kind != "system")))  # it comes and goes
     return steps
 
 
@@ -241,7 +248,23 @@ def vllm_steps(ctx: Context, fork: Fork) -> list[Step]:
                   (*install, "--no-index", "--find-links", str(build.folder), "--no-deps", *reinstall, build.name)),
         note=f"the wheel cache {ctx.wheel_cache} has it after the first build ({VLLM_CPU_BUILD_TIME}), so"
              f" another venv or clone installs it in seconds; the build needs "
-             + ", ".join(f"{h} ({fix})" for h, fix in build.headers))]
+             + ", ".join(f"{h.name} ({h.apt})" for h in build.headers))]
+
+
+def system_steps(ctx: Context) -> list[Step]:
+    """apt-get the packages of missing headers (only when ctx.apt_packages says the install may)."""
+    if not ctx.apt_packages:
+        return []
+    return [Step("system", "Debian packages the builds need: " + ", ".join(ctx.apt_packages), kind="system",
+                 commands=system.apt_commands(ctx.apt_packages), env=dict(system.APT_ENV),
+                 note="the C compiler lacks their headers and this install runs as root with apt-get;"
+                      " runs while it lacks them, never stamped")]
+
+
+def wheel_builds(ctx: Context) -> list[WheelBuild]:
+    """The fork wheels the profile compiles (cpu: vLLM with its CPU kernels), as the wheel steps build them."""
+    forks = {f.name: f for f in ctx.manifest.select(profile=ctx.device)}
+    return [vllm_cpu_wheel(ctx, forks["vllm"])] if ctx.device == "cpu" and "vllm" in forks else []
 
 
 def vllm_cpu_wheel(ctx: Context, fork: Fork) -> WheelBuild:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tools.forks import ops, sources
-from tools.install import wheels
-from tools.install.plan import MIN_FREE_GIB, Context, Step
+from tools.install import system, wheels
+from tools.install.plan import MIN_FREE_GIB, Context, Step, wheel_builds
 
 CANN_VERSION_FILES = ("version.cfg", "*/ascend_toolkit_install.info", "ascend_toolkit_install.info")
 DEFAULT_CANN = Path("/usr/local/Ascend/ascend-toolkit/latest")
@@ -66,6 +66,7 @@ def preflight(ctx: Context, env: dict[str, str] | None = None) -> list[Check]:
     if ctx.device == "npu":
         checks.append(_cann_check(env, stack.get("cann", "")))
     checks.append(_disk_check(ctx.venv, MIN_FREE_GIB[ctx.device]))
+    checks += _header_checks(ctx, env)
     if ctx.wheelhouse and not ctx.wheelhouse.is_dir():
         checks.append(Check("wheelhouse", False, f"{ctx.wheelhouse} does not exist",
                             "build it with `nox -s wheelhouse -- --device ... --dest DIR` where the network is"))
@@ -97,6 +98,23 @@ def _cann_check(env: dict[str, str], want: str) -> Check:
         return Check("CANN", False, f"toolkit at {home} is {got or 'of unknown version'}, the stack needs {want}",
                      f"install CANN {want} (or point ASCEND_TOOLKIT_HOME at it) and source its set_env.sh")
     return Check("CANN", True, f"{home} ({got})")
+
+
+def _header_checks(ctx: Context, env: dict[str, str]) -> list[Check]:
+    """One check per header a wheel build to run includes: found, brought by the system step, or missing
+    with the one command that brings it."""
+    headers = system.headers_to_build(wheel_builds(ctx), ctx.wheelhouse)
+    lacking = system.missing(headers, env)
+    checks = []
+    for header in dict.fromkeys((*headers, *lacking)):  # a missing compiler comes too
+        if header not in lacking:
+            checks.append(Check(header.what(), True, "found by the C compiler"))
+        elif header.apt in ctx.apt_packages:
+            checks.append(Check(header.what(), True, f"missing; the system step installs {header.apt}"))
+        else:
+            checks.append(Check(header.what(), False, "the C compiler cannot find it (the vLLM CPU kernel build"
+                                " needs it)", f"run `{system.fix_command([header], env)}`, then rerun"))
+    return checks
 
 
 def _disk_check(venv: Path, need_gib: int) -> Check:
@@ -137,12 +155,14 @@ def execute(ctx: Context, steps: list[Step], force: bool = False, say=print) -> 
     outcome: dict[str, str] = {}
     chain = hashlib.sha256()
     for i, step in enumerate(steps, 1):
-        if step.kind not in ("preflight", "forks"):  # those two always run; they are quick checks
+        if step.kind not in ("preflight", "system", "forks"):  # always run when planned; not in the chain
             chain.update(step.stamp().encode())
         stamp = chain.hexdigest()
         label = f"[{i}/{len(steps)}] {step.name}"
         if step.kind == "preflight":
             _run_preflight(ctx, say, label)
+        elif step.kind == "system":  # planned only while a header is missing, so it always runs
+            _run_shell(ctx, step, say, label)
         elif step.kind == "forks":
             sync_and_apply(ctx, say, label)
         elif step.kind == "fetch":  # always: the file must be in the cache for the steps that read it
@@ -157,7 +177,7 @@ def execute(ctx: Context, steps: list[Step], force: bool = False, say=print) -> 
             _run_wheel(ctx, step, say, label)
         else:
             _run_shell(ctx, step, say, label)
-        if step.kind not in ("preflight", "forks", "fetch"):
+        if step.kind not in ("preflight", "system", "forks", "fetch"):
             _mark(ctx, step, stamp)
         outcome[step.name] = "ran"
     return outcome
@@ -165,10 +185,12 @@ def execute(ctx: Context, steps: list[Step], force: bool = False, say=print) -> 
 
 def _run_preflight(ctx: Context, say, label: str) -> None:
     checks = preflight(ctx)
-    bad = [c for c in checks if not c.ok]
+    bad = [f"{c.name}: {c.detail}; fix: {c.fix}" for c in checks if not c.ok]
     say(f"{label}: " + "; ".join(f"{c.name} {'ok' if c.ok else 'FAILED'}: {c.detail}" for c in checks))
+    if len(bad) == 1:  # one line, the command in it
+        raise InstallError(f"preflight failed: {bad[0]}")
     if bad:
-        raise InstallError("preflight failed:\n" + "\n".join(f"  {c.name}: {c.detail}\n    fix: {c.fix}" for c in bad))
+        raise InstallError("preflight failed:\n" + "\n".join(f"  {line}" for line in bad))
 
 
 def sync_and_apply(ctx: Context, say, label: str) -> None:
@@ -220,7 +242,7 @@ def _run_wheel(ctx: Context, step: Step, say, label: str) -> None:
     started = time.monotonic()
     wheel = wheels.cached(build)
     if wheel is None and ctx.wheelhouse:
-        wheel = wheelhouse_wheel(ctx.wheelhouse, build)
+        wheel = wheels.wheelhouse_wheel(ctx.wheelhouse, build)
         if wheel:
             say(f"{label}: {wheel.name} from the wheelhouse (key {build.key})")
             wheel = wheels.seed(build, wheel)
@@ -238,15 +260,6 @@ def _run_wheel(ctx: Context, step: Step, say, label: str) -> None:
         say(f"{label}: built {wheel.name} in {time.monotonic() - started:.0f} s")
     _run_commands(ctx, step, (install_cmd,), env)
     say(f"{label}: done in {time.monotonic() - started:.1f} s")
-
-
-def wheelhouse_wheel(wheelhouse: Path, build: wheels.WheelBuild) -> Path | None:
-    """The wheel a wheelhouse built under this key (wheelhouse.json records it), if it is there."""
-    record = wheelhouse / "wheelhouse.json"
-    if not record.is_file():
-        return None
-    name = json.loads(record.read_text()).get("built", {}).get(build.key)
-    return wheelhouse / name if name and (wheelhouse / name).is_file() else None
 
 
 def _run_shell(ctx: Context, step: Step, say, label: str) -> None:

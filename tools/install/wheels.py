@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tools.install import system
 
 CACHE_ENV = "RL_RECIPE_WHEEL_CACHE"
 
@@ -39,7 +42,7 @@ class WheelBuild:
     key_parts: tuple[str, ...]  # what decides the wheel's content
     flags: dict[str, str] = field(default_factory=dict)  # build environment that is part of the key
     cache_root: Path = field(default_factory=default_cache)
-    headers: tuple[tuple[str, str], ...] = ()  # (C header the build includes, how to get it)
+    headers: tuple[system.Header, ...] = ()  # C headers the build includes
     duration: str = ""  # what a first build costs, said before it starts
 
     @property
@@ -71,28 +74,22 @@ def seed(build: WheelBuild, wheel: Path) -> Path:
     return _found(build)
 
 
-def missing_headers(headers: tuple[tuple[str, str], ...], env: dict[str, str] | None = None) -> list[tuple[str, str]]:
-    """The headers the C compiler cannot find (the compiler itself is asked, with CPATH and the rest)."""
-    env = dict(os.environ if env is None else env)
-    compiler = env.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        return [("a C compiler (cc)", "apt-get install build-essential")]
-    missing = []
-    for header, fix in headers:
-        proc = subprocess.run([compiler, "-E", "-x", "c", "-", "-o", os.devnull], input=f"#include <{header}>\n",
-                              capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            missing.append((header, fix))
-    return missing
+def wheelhouse_wheel(wheelhouse: Path, build: WheelBuild) -> Path | None:
+    """The wheel a wheelhouse built under this key (wheelhouse.json records it), if it is there."""
+    record = wheelhouse / "wheelhouse.json"
+    if not record.is_file():
+        return None
+    name = json.loads(record.read_text()).get("built", {}).get(build.key)
+    return wheelhouse / name if name and (wheelhouse / name).is_file() else None
 
 
 def build_wheel(build: WheelBuild, command: tuple[str, ...], env: dict[str, str], log: Path | None) -> Path:
     """Run `command` (a `pip wheel ... --wheel-dir <build.folder> SRC`) into a temporary folder, then
     rename that folder to the key's. Raises WheelError with the log's tail when the build fails."""
-    lacking = missing_headers(build.headers, env)
+    lacking = system.missing(build.headers, env)
     if lacking:
-        raise WheelError(f"building {build.name} needs " + "; ".join(f"{h} (fix: {fix})" for h, fix in lacking)
-                         + ", then rerun")
+        raise WheelError(f"building {build.name} needs {', '.join(h.what() for h in lacking)}, which the C compiler"
+                         f" cannot find: run `{system.fix_command(lacking, env)}`, then rerun")
     with _staged(build) as tmp:
         args = tuple(str(tmp) if part == str(build.folder) else part for part in command)
         proc = subprocess.run(args, env=env, capture_output=True, text=True)

@@ -26,7 +26,7 @@ Prepare DeepSeek-V3/R1 weights for the recipe.
 Outputs are written atomically with a manifest.json (sha256 per file); --resume continues an
 interrupted run, verifying and skipping finished files (torch_dist is one unit: it appears only when
 complete, and an interrupted run starts over). Exit codes: 0 ok, 1 verification found a
-mismatch, 2 bad input or usage.
+mismatch, 2 bad input or usage: one line that names the file and what is wrong with it.
 """
 
 
@@ -45,4 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (CheckpointError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file the readers (tools/weights/files.py) do not see: a destination, mostly
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from tools.model.errors import ConfigError
 from tools.model.parallel import ParallelLayout, checked
 from tools.weights import legacy
 from tools.weights.hf import load_config
-from tools.weights.io import CheckpointError, ShardedReader, thread_count
+from tools.weights.io import CheckpointError, ShardedReader, read_json, reader_spans, thread_count
 
 LAYOUT_FLAGS = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "num_layer_list": "--num-layer-list",
                 "moe_tp_extend_ep": "--moe-tp-extend-ep"}
@@ -66,10 +65,13 @@ def register(sub) -> None:
 
 
 def converted_format(directory: Path) -> str:
-    try:
-        return json.loads((directory / "manifest.json").read_text())["header"]["format"]
-    except (OSError, KeyError, ValueError):
-        raise CheckpointError(f"{directory}: no manifest.json written by hf-to-mcore") from None
+    path = directory / "manifest.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no manifest.json written by hf-to-mcore")
+    head = read_json(path, "manifest").get("header")
+    if not isinstance(head, dict) or head.get("format") not in ("legacy", "torch_dist"):
+        raise CheckpointError(f"{path}: not written by hf-to-mcore (no header.format legacy or torch_dist)")
+    return head["format"]
 
 
 def layout_args(args: argparse.Namespace) -> ParallelLayout:
@@ -89,6 +91,7 @@ def run_hf_to_mcore(args: argparse.Namespace) -> int:
     dims = dims_from_config(load_config(args.src))
     if args.dry_run:
         layout = checked(dims, layout_args(args))
+        reader_spans(ShardedReader(args.src))  # every shard header, as the conversion reads them
         for rel, specs in legacy.plan(dims, layout).items():
             print(f"{rel}: {len(specs)} tensors")
         return 0

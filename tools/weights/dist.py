@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from tools.model.dims import Dims, dims_from_config
+from tools.weights.files import first_line
 from tools.weights.hf import hf_shapes, layer_prefix, load_config
 from tools.weights.io import (
     CheckpointError,
@@ -63,6 +64,7 @@ from tools.weights.io import (
     TensorSpan,
     pread_into,
     progress,
+    read_json,
     reader_spans,
     sha256,
 )
@@ -325,9 +327,10 @@ def _finished(dst: Path, head: dict) -> bool:
     manifest = dst / "manifest.json"
     if not manifest.is_file():
         return False
-    recorded = json.loads(manifest.read_text())
-    return recorded.get("header") == json.loads(json.dumps(head)) and all(
-        (dst / rel).is_file() and sha256(dst / rel) == digest for rel, digest in recorded["files"].items())
+    recorded = read_json(manifest, "manifest")
+    files = recorded.get("files")
+    return recorded.get("header") == json.loads(json.dumps(head)) and isinstance(files, dict) and bool(files) and all(
+        (dst / rel).is_file() and sha256(dst / rel) == digest for rel, digest in files.items())
 
 
 def hf_to_torch_dist(src: Path, dst: Path, *, resume: bool = False, jobs: int = 2,
@@ -425,6 +428,29 @@ class _CompareLoadPlanner(LoadPlanner):
         self.check(read_item.dest_index.fqn, self.chunks[read_item.dest_index], tensor)
 
 
+def _check_files(converted: Path) -> None:
+    """DCP's .metadata readable, and every .distcp file it names there and long enough for the bytes it
+    places in it: DCP's own errors name no file."""
+    path = converted / ".metadata"
+    try:
+        metadata = FileSystemReader(converted).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found; is {converted} an hf-to-mcore torch_dist output?") from None
+    except Exception as exc:  # noqa: BLE001 - an unpickling error can be of any type
+        raise CheckpointError(f"{path}: not a readable torch_dist .metadata ({first_line(exc)});"
+                              " convert again") from None
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(ends.items()):
+        file = converted / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file}: not found ({path} places data in it); convert again")
+        if file.stat().st_size < end:
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, {path} places data up to byte {end}"
+                                  " (truncated?); convert again")
+
+
 def verify_torch_dist(src: Path, converted: Path, sample: int | None = None, seed: int = 0,
                       say=print) -> list[str]:
     """Compare every stored chunk (of `sample` random tensors, if given) bit-exact with the HF rows it
@@ -433,10 +459,13 @@ def verify_torch_dist(src: Path, converted: Path, sample: int | None = None, see
     reader = ShardedReader(src)
     shapes = check_source(reader, dims)
     dtypes = _dtypes(src, reader_spans(reader), shapes)
-    try:
-        chunk_bytes = json.loads((converted / "manifest.json").read_text())["header"]["chunk_bytes"]
-    except (OSError, KeyError, ValueError):
-        raise CheckpointError(f"{converted}: no manifest.json from hf-to-mcore --format torch_dist") from None
+    manifest = converted / "manifest.json"
+    if not manifest.is_file():
+        raise CheckpointError(f"{converted}: no manifest.json from hf-to-mcore --format torch_dist")
+    chunk_bytes = (read_json(manifest, "manifest").get("header") or {}).get("chunk_bytes")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise CheckpointError(f"{manifest}: no header.chunk_bytes; is {converted} an hf-to-mcore torch_dist output?")
+    _check_files(converted)
     tensors = plan(dims, shapes, chunk_bytes=chunk_bytes)
     if sample is not None and sample < len(tensors):
         tensors = random.Random(seed).sample(tensors, sample)
@@ -453,8 +482,14 @@ def verify_torch_dist(src: Path, converted: Path, sample: int | None = None, see
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp_load({}, storage_reader=FileSystemReader(converted),
-                 planner=_CompareLoadPlanner(tensors, shapes, dtypes, check), no_dist=True)
+        try:
+            dcp_load({}, storage_reader=FileSystemReader(converted),
+                     planner=_CompareLoadPlanner(tensors, shapes, dtypes, check), no_dist=True)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - DCP wraps a broken .metadata or .distcp in many types
+            raise CheckpointError(f"{converted}: the torch_dist files cannot be read ({first_line(exc)});"
+                                  " convert again") from None
     say(f"{converted}: {len(tensors)} tensors checked, {len(problems)} mismatches"
         + (f"; first: {problems[0]}" if problems else ""))
     return problems

@@ -49,6 +49,8 @@ from tools.weights.io import (
     ShardedReader,
     atomic_write,
     progress,
+    read_json,
+    safetensors_header,
     thread_count,
 )
 
@@ -152,14 +154,9 @@ class Stored:
 
 def read_header(path: Path) -> tuple[dict[str, Stored], dict[str, str]]:
     """The tensors of a safetensors file (name -> Stored) and its `__metadata__`."""
-    try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-    except (OSError, struct.error, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-download it") from None
+    header, base = safetensors_header(path)
+    header = dict(header)
     metadata = header.pop("__metadata__", None) or {}
-    base = 8 + length
     tensors = {name: Stored(path, h["dtype"], tuple(h["shape"]), base + h["data_offsets"][0],
                             h["data_offsets"][1] - h["data_offsets"][0]) for name, h in header.items()}
     return tensors, metadata
@@ -259,7 +256,8 @@ def plan(src: Path) -> Plan:
         if members:
             shards.append(ShardPlan(shard, members, metadata[shard] or {"format": "pt"}))
     weight_map = {t.name: reader.weight_map[t.name] for t in outputs}
-    index_metadata = json.loads((src / INDEX).read_text()).get("metadata", {}) if (src / INDEX).is_file() else {}
+    index = read_json(src / INDEX, "safetensors index") if (src / INDEX).is_file() else {}
+    index_metadata = index.get("metadata") or {}
     index_metadata = {**index_metadata, "total_size": sum(s.out_bytes for s in shards)}
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     return Plan(src, shards, weight_map, index_metadata, config, _other_files(src))

@@ -6,21 +6,20 @@ FP8 release quantises it (block-wise, with a `<name>_scale_inv` companion).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tools.model.dims import Dims
 from tools.model.errors import ConfigError
+from tools.weights.files import read_json
 
 FP8_BLOCK = 128
 
 
 def load_config(directory: Path) -> dict:
     path = directory / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path} not found: point --src at a HF checkpoint directory") from None
+    if not path.exists():
+        raise ConfigError(f"{path} not found: point --src at a HF checkpoint directory")
+    return read_json(path, "HF config")
 
 
 def layer_prefix(layer: int) -> str:

@@ -1,5 +1,8 @@
 """Checkpoint I/O shared by the converters: sharded safetensors reading, atomic writes, manifests.
 
+Input files are read through tools.weights.files (the one place that turns an unreadable file into a
+CheckpointError naming it).
+
 Every file a converter writes goes through `atomic_write` (temp file in the same folder + rename),
 so an interrupted run never leaves a half-written file under its final name, and `Manifest` records
 a sha256 per finished file, which is how a resumed run knows what it may skip.
@@ -17,14 +20,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from tools.weights.files import (  # noqa: F401 - CheckpointError and the readers are used from here too
+    CheckpointError,
+    load_torch,
+    open_safetensors,
+    read_json,
+    safetensors_header,
+)
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "manifest.json"
-
-
-class CheckpointError(ValueError):
-    """Bad input checkpoint or destination; the message names the tensor, file or field."""
 
 
 class ShardedReader:
@@ -34,15 +40,18 @@ class ShardedReader:
         self.dir = directory
         index = directory / INDEX
         if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, "safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: not a safetensors index: no weight_map object of tensor -> file")
+            self.weight_map: dict[str, str] = weight_map
         else:
             files = sorted(directory.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{directory}: no {INDEX} and no *.safetensors files")
             self.weight_map = {}
             for f in files:
-                with safe_open(f, "pt") as handle:
-                    self.weight_map.update(dict.fromkeys(handle.keys(), f.name))
+                head, _ = safetensors_header(f)
+                self.weight_map.update(dict.fromkeys((k for k in head if k != "__metadata__"), f.name))
         self._handles: dict[str, object] = {}
 
     def fresh(self) -> ShardedReader:
@@ -69,7 +78,7 @@ class ShardedReader:
             path = self.dir / shard
             if not path.is_file():
                 raise CheckpointError(f"{self.dir}: {INDEX} names {shard}, which does not exist")
-            self._handles[shard] = safe_open(path, "pt")
+            self._handles[shard] = open_safetensors(path)
         return self._handles[shard]
 
     def get(self, name: str) -> torch.Tensor:
@@ -147,7 +156,7 @@ class Manifest:
             raise CheckpointError(f"{directory} is not empty; pass --resume to continue a previous run there,"
                                   " or choose an empty destination")
         if manifest.path.is_file():
-            previous = json.loads(manifest.path.read_text())
+            previous = read_json(manifest.path, "manifest")
             if previous.get("header") != manifest.header:
                 raise CheckpointError(f"{directory} holds a different conversion ({manifest.path}: header differs);"
                                       " choose an empty destination")
@@ -209,9 +218,7 @@ class TensorSpan:
 
 def safetensors_spans(path: Path) -> dict[str, TensorSpan]:
     """Every tensor of one safetensors file, from its header alone (8-byte length + JSON)."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        head = json.loads(f.read(size))
+    head, start = safetensors_header(path)
     spans = {}
     for name, entry in head.items():
         if name == "__metadata__":
@@ -220,7 +227,7 @@ def safetensors_spans(path: Path) -> dict[str, TensorSpan]:
         if dtype is None:
             raise CheckpointError(f"{path}: tensor {name} has dtype {entry['dtype']}, which this tool does not read")
         begin, end = entry["data_offsets"]
-        spans[name] = TensorSpan(path, 8 + size + begin, end - begin, dtype, tuple(entry["shape"]))
+        spans[name] = TensorSpan(path, start + begin, end - begin, dtype, tuple(entry["shape"]))
     return spans
 
 

@@ -41,8 +41,10 @@ from tools.weights.io import (
     TensorSpan,
     aligned_buffer,
     atomic_write,
+    load_torch,
     pread_into,
     progress,
+    read_json,
     reader_spans,
 )
 
@@ -451,14 +453,19 @@ def _converted(directory: Path) -> tuple[ParallelLayout, dict]:
     manifest = directory / "manifest.json"
     if not manifest.is_file():
         raise CheckpointError(f"{directory}: no manifest.json; is it a directory written by hf-to-mcore?")
-    head = json.loads(manifest.read_text())["header"]
+    head = read_json(manifest, "manifest").get("header")
+    if not isinstance(head, dict) or not isinstance(head.get("layout"), dict):
+        raise CheckpointError(f"{manifest}: no header.layout; is {directory} an hf-to-mcore --format legacy output?")
     return ParallelLayout.from_manifest(head["layout"]), head
 
 
 def _load_rank(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"rank file {path} is missing")
-    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+    state = load_torch(path, "rank file (torch.save of a dict with 'model')")
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{path}: not a rank file written by hf-to-mcore (no 'model' dict)")
+    return state["model"]
 
 
 def legacy_to_hf(converted: Path, config_dir: Path, dst: Path, say=print) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from tools.weights.files import first_line, read_json
 from tools.weights.hf import load_config
 from tools.weights.io import INDEX, CheckpointError, ShardedReader, reader_spans
 from tools.weights.tiny import write_checkpoint
@@ -70,10 +71,12 @@ class Example:
 
 def read_examples(parquet: Path) -> list[Example]:
     """The rows of a tools.data parquet file (verl's RLHF schema) as prompt messages and ground truths."""
+    if not parquet.is_file():
+        raise CheckpointError(f"{parquet}: {'is a directory, not a file' if parquet.is_dir() else 'not found'}")
     try:
         rows = pq.read_table(parquet, columns=["prompt", "data_source", "reward_model"]).to_pylist()
     except (OSError, KeyError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise CheckpointError(f"{parquet}: not a tools.data parquet file ({exc})") from None
+        raise CheckpointError(f"{parquet}: not a tools.data parquet file ({first_line(exc)})") from None
     if not rows:
         raise CheckpointError(f"{parquet} has no rows")
     return [Example(r["prompt"], r["data_source"], r["reward_model"]["ground_truth"]) for r in rows]
@@ -99,8 +102,11 @@ def encode(tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.Tens
 def load_model(src: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=dtype, attn_implementation="eager")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=dtype, attn_implementation="eager")
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # what transformers raises for files it cannot use
+        raise CheckpointError(f"{src}: transformers cannot load it ({first_line(exc)})") from None
     return model, tokenizer
 
 
@@ -162,13 +168,25 @@ def train(model, tokenizer, examples: list[Example], settings: Settings, progres
     return losses
 
 
-def check_inputs(src: Path, train_file: Path, dst: Path, settings: Settings) -> list[Example]:
-    """CheckpointError naming what is wrong before any work; returns the train rows."""
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def check_inputs(src: Path, train_file: Path, dst: Path, settings: Settings,
+                 held_out: Path | None = None) -> list[Example]:
+    """CheckpointError naming what is wrong before any work (every input file read: config, index, shard
+    headers, tokenizer files, the parquet files); returns the train rows."""
     settings.check()
     if not (src / INDEX).is_file():
         raise CheckpointError(f"{src}: no {INDEX}; give a sharded HF checkpoint such as make-tiny's")
     if dst.exists():
         raise CheckpointError(f"{dst} exists; remove it or give another --dst (a warm start is never written over)")
+    load_config(src)
+    reader_spans(ShardedReader(src))
+    for name in TOKENIZER_JSON:
+        if (src / name).exists():
+            read_json(src / name, name)
+    if held_out:
+        read_examples(held_out)
     return read_examples(train_file)
 
 
@@ -176,7 +194,7 @@ def warm_start(src: Path, train_file: Path, dst: Path, settings: Settings = Sett
                say=print, progress: bool = True) -> dict:
     """Fine-tune the checkpoint at `src` on `train_file` and write it to `dst` in `src`'s layout, whole or not at all
     (built in `<dst>.partial`, renamed when complete); returns the report."""
-    examples = check_inputs(src, train_file, dst, settings)
+    examples = check_inputs(src, train_file, dst, settings, held_out)
     torch.manual_seed(settings.seed)
     test = read_examples(held_out) if held_out else []
     report = {"settings": asdict(settings), "source": str(src), "train_file": str(train_file),

@@ -39,7 +39,7 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = warm_start.Settings(**{f.name: getattr(args, f.name) for f in fields(warm_start.Settings)})
     if args.dry_run:
-        rows = len(warm_start.check_inputs(args.src, args.train, args.dst, settings))
+        rows = len(warm_start.check_inputs(args.src, args.train, args.dst, settings, args.held_out))
         print(f"dry run: would fine-tune {args.src} for {settings.steps} steps of {settings.batch_size} on {rows} rows"
               f" of {args.train} and write {args.dst}; nothing written")
         return 0
