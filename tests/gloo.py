@@ -104,7 +104,7 @@ def single_rank_model_parallel():
 def drop_leftover_groups(parallel_state) -> None:
     """Forget the process groups that Megatron's destroy_model_parallel leaves referenced.
 
-    megatron-core 0.12.1 does not reset _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO), so two gloo groups,
+    megatron-core 0.12.3 does not reset _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO), so two gloo groups,
     their four worker threads and the TCPStore server thread of the default group outlive
     dist.destroy_process_group() and run on into interpreter exit. Dropping the references lets them shut down."""
     import torch.distributed as dist

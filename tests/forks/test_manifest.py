@@ -19,7 +19,7 @@ PINS = {
     "verl": ("third_party/verl", "v0.4.0", "0758489422e8d41a89e6c36d4c477714520f0dcc"),
     "vllm": ("third_party/vllm", "v0.9.1", "b6553be1bc75f046b00046a4ad7576364d03c835"),
     "vllm-ascend": ("third_party/vllm-ascend", "v0.9.1", "0740d10211fcdcaa00d29e8659d7de892f5ed4d8"),
-    "megatron": ("third_party/Megatron-LM", "core_v0.12.1", "a845aa7e12b3a117e24c2352b9e3e60bad2e3a17"),
+    "megatron": ("third_party/Megatron-LM", "core_v0.12.3", "3ea68ad6042cc1204386ae9364358f7c4de1bc37"),
     "mindspeed": ("third_party/MindSpeed", "master@2025-08-28", "f6688c61bcfe45243ee5eb34c6f013b1e06eca81"),
     "mindspeed-llm": ("third_party/MindSpeed-LLM", "v2.1.0", "7f128db1d7f31cc98106c77920ae0d2719417874"),
 }

@@ -87,3 +87,17 @@ def test_a_profile_runs_the_tests_of_the_forks_whose_test_profiles_name_it(tmp_p
     declared = _run(_fork(tmp_path / "b", 3, npu_only + 'test_profiles = ["npu", "cpu"]\n'), "--profile", "cpu")
     assert declared.returncode == 0, declared.stdout + declared.stderr
     assert "thing: 1 test file(s) of the series" in declared.stdout and "1 passed" in declared.stdout
+
+
+def test_options_may_follow_the_fork_names_and_what_follows_dashes_goes_to_pytest(tmp_path):
+    root = _fork(tmp_path / "a", 3, 'profiles = ["npu"]\ntest_profiles = ["npu", "cpu"]\n')
+    not_declared = _run(root, "thing", "--profile", "cuda")  # was handed to pytest, which refused it
+    assert not_declared.returncode == 0 and "test file(s)" not in not_declared.stdout, \
+        not_declared.stdout + not_declared.stderr
+    deselected = _run(root, "thing", "--profile", "cpu", "--", "-k", "no_such_test")
+    assert deselected.returncode == 5 and "1 deselected" in deselected.stdout, deselected.stdout + deselected.stderr
+    every_fork = _run(root, "--", "-k", "value")  # was read as the fork names "-k" and "value"
+    assert every_fork.returncode == 0 and "1 passed" in every_fork.stdout, every_fork.stdout + every_fork.stderr
+    other = subprocess.run([sys.executable, "-m", "tools.forks", "--root", str(root), "status", "--", "-q"],
+                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert other.returncode == 2 and "for `test` only; `status` takes none" in other.stderr

@@ -44,7 +44,7 @@ def test_cpu_install_of_the_real_stack(tmp_path, capsys):
     env = {"VLLM_PLUGINS": "none", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     versions = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path,
                               env=env).stdout.split()
-    assert versions[-4:] == ["0.9.1+cpu", "0.4.0", "0.12.1", "cpu"]
+    assert versions[-4:] == ["0.9.1+cpu", "0.4.0", "0.12.3", "cpu"]
 
     stack = json.loads((root / ".venv/stack.json").read_text())
     for name in ("verl", "vllm", "megatron"):

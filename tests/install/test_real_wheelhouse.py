@@ -49,7 +49,7 @@ def test_cpu_wheelhouse_installs_every_fork_with_no_index(tmp_path, monkeypatch,
     assert vllm_wheel.startswith("vllm-0.9.1+cpu-") and vllm_wheel in record["files"]
     names = {name.split("-")[0].lower() for name in record["files"]}
     assert {"torch", "numba", "verl", "megatron_core", "cmake", "transformers"} <= names
-    for sdist in ("verl-0.4.0.tar.gz", "vllm-0.9.1.tar.gz", "megatron_core-0.12.1.tar.gz"):
+    for sdist in ("verl-0.4.0.tar.gz", "vllm-0.9.1.tar.gz", "megatron_core-0.12.3.tar.gz"):
         assert sdist in record["files"], f"{sdist}: the pinned source, for `tools.forks sync` offline"
     assert not (dest / ".build-env").exists()
 
@@ -76,4 +76,4 @@ def test_cpu_wheelhouse_installs_every_fork_with_no_index(tmp_path, monkeypatch,
     done = subprocess.run([venv / "bin/python", "-c", probe], capture_output=True, text=True, cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin", "VLLM_PLUGINS": "none", "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-4:] == ["0.9.1+cpu", "0.4.0", "0.12.1", "cpu"]
+    assert done.stdout.split()[-4:] == ["0.9.1+cpu", "0.4.0", "0.12.3", "cpu"]

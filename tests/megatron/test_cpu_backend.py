@@ -1,4 +1,4 @@
-"""Megatron-core 0.12.1 (our fork) on CPU over gloo, with Transformer Engine's names: the whole model.
+"""Megatron-core 0.12.3 (our fork) on CPU over gloo, with Transformer Engine's names: the whole model.
 
 verl 0.4.0 builds DeepSeek-V3 from `get_gpt_decoder_block_spec(config, use_transformer_engine=True)`;
 our fork's `get_gpt_decoder_block_spec_torch_native(config)` builds the same module tree from

@@ -1,6 +1,6 @@
 """The single-rank model parallel context of tests/gloo.py leaves no gloo thread running in the pytest process.
 
-Megatron-core 0.12.1's destroy_model_parallel keeps two of its groups referenced; without dropping them their
+Megatron-core 0.12.3's destroy_model_parallel keeps two of its groups referenced; without dropping them their
 gloo worker threads and the default group's TCPStore server ran on into interpreter exit."""
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def expected_parameters(hf_dir: Path, tp: int, tp_rank: int, ep: int, ep_rank: i
         a = f"{h}.self_attn"
         out.update({
             f"{m}.input_layernorm.weight": hf.get(f"{h}.input_layernorm.weight"),
-            # Megatron 0.12.1 builds the MLA down projections as column-parallel too.
+            # Megatron 0.12.3 builds the MLA down projections as column-parallel too.
             f"{m}.self_attention.linear_q_down_proj.weight": cols(hf.get(f"{a}.q_a_proj.weight"), tp),
             f"{m}.self_attention.linear_q_up_proj.weight": cols(hf.get(f"{a}.q_b_proj.weight"), tp),
             f"{m}.self_attention.q_layernorm.weight": hf.get(f"{a}.q_a_layernorm.weight"),
@@ -198,7 +198,7 @@ def expected_parameters(hf_dir: Path, tp: int, tp_rank: int, ep: int, ep_rank: i
 def _load_worker(rank, port, world, tp, ep, hf_dir, ckpt, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    # Megatron's rotary embedding asks torch.cuda for a device even for CPU models (core 0.12.1).
+    # Megatron's rotary embedding asks torch.cuda for a device even for CPU models (core 0.12.3).
     torch.cuda.current_device = lambda: "cpu"
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps

@@ -156,10 +156,12 @@ def parser() -> argparse.ArgumentParser:
             "The test files a patch creates (test_*.py) run with this interpreter's pytest, from the\n"
             "fork's root and without the fork's own conftest files (upstream's need its whole test\n"
             "environment). --profile selects the forks whose test_profiles (forks.toml) name it: a fork\n"
-            "the profile does not install is imported from that tree. Extra arguments after -- go to\n"
-            "pytest. Exits with pytest's status.")
+            "the profile does not install is imported from that tree. Arguments after -- go to\n"
+            "pytest; options and fork names may come in any order before it. Exits with pytest's status.\n"
+            "\n"
+            "  python -m tools.forks test megatron --profile cpu -- -x -k rng")
+    p.usage = "python -m tools.forks test [-h] [--root ROOT] [--profile {npu,cuda,cpu}] [FORK ...] [-- PYTEST_ARG ...]"
     _fork_args(p)
-    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest, after --")
 
     p = add("rebase", "Carry a fork's series to a new upstream tag or commit, over as many sessions as it takes.",
             REBASE_EPILOG)
@@ -241,7 +243,14 @@ def _indexes(args) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # What follows `--` is pytest's, split off here: a REMAINDER positional after the fork names took
+    # `test megatron --profile cpu`'s --profile for pytest, and argparse files `test -- -q` under FORK.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, pytest_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parser().parse_args(argv)
+    if pytest_args and args.command != "test":
+        parser().error(f"arguments after -- go to pytest, for `test` only; `{args.command}` takes none")
+    args.pytest_args = pytest_args
     try:
         root = (getattr(args, "root", None) or find_root(Path.cwd())).resolve()
         manifest = load(root)
@@ -441,7 +450,7 @@ def _check_ports(manifest, forks, chosen: bool) -> int:
 
 def cmd_test(args, manifest, forks) -> int:
     status = EXIT_OK
-    extra = [a for a in args.pytest_args if a != "--"]
+    extra = args.pytest_args
     for fork in forks:
         tests = Series(manifest.root / fork.patches).added_tests()
         if not tests:

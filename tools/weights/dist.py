@@ -9,7 +9,7 @@ one chunk of the Megatron tensor it belongs to, read from the safetensors shard 
 
 Keys follow the sharded_state_dict() of the GPT model verl 0.4.0 builds for DeepSeek-V3
 (`verl.models.mcore.model_initializer.DeepseekV3Model`, Transformer Engine layer spec, Megatron-core
-0.12.1): MLA with the q/kv layernorms fused into `linear_q_up_proj` / `linear_kv_up_proj`
+0.12.3): MLA with the q/kv layernorms fused into `linear_q_up_proj` / `linear_kv_up_proj`
 (`layer_norm_weight`), the dense MLP's norm fused into `linear_fc1`, experts under
 `mlp.experts.experts.*` with the expert axis first, gate and up as the two halves of `linear_fc1`
 (Megatron's swiglu layout). Every linear also gets the `_extra_state` object Megatron saves for it
