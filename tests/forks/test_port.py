@@ -325,6 +325,18 @@ def test_port_toml_round_trips_any_why(tmp_path):
     assert port_mod.load(port.dir) == port
 
 
+def test_a_to_that_is_no_upstream_commit_says_what_it_is(tmp_path):
+    """A fork with only PyPI sources ports onto the sdist's derived commit; `to_note` says so and survives."""
+    port = port_mod.Port(tmp_path / "demo-v2", "demo", "v1", "a" * 40, "demo==2", "b" * 40, [port_mod.Entry("one")],
+                         to_note="the PyPI-derived commit of demo-2.tar.gz")
+    port_mod.save(port)
+    assert port_mod.load(port.dir) == port
+    text = (port.dir / "port.toml").read_text(encoding="utf-8")
+    (port.dir / "port.toml").write_text(text.replace("to_note = ", "to_notes = "), encoding="utf-8")
+    with pytest.raises(port_mod.PortError, match="to_notes: unknown key"):
+        port_mod.load(port.dir)
+
+
 @pytest.mark.parametrize(("old", "new", "same"), [
     ("@@ -1,3 +1,3 @@\n a\n-b\n+c\n d\n", "@@ -10,3 +10,3 @@\n x\n-b\n+c\n y\n", True),  # context moved
     ("@@ -1,3 +1,3 @@\n a\n-b\n+c\n d\n", "@@ -1,3 +1,3 @@\n a\n-b\n+C\n d\n", False),

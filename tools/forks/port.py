@@ -51,6 +51,7 @@ NEEDS_WHY = (REWORKED, DROPPED, OBSOLETE)
 PLACEHOLDER = "TODO: say what changed and why (rebase --continue --why, or write it here)"
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _TOP = ("fork", "from_ref", "from", "to_ref", "to")
+_OPTIONAL_TOP = ("to_note",)  # what `to` is where it is no upstream commit (a PyPI-derived tree)
 _PATCH_KEYS = ("name", "verdict", "why")
 _SESSION_KEYS = ("started", "elapsed", "patches")
 
@@ -92,6 +93,7 @@ class Port:
     to: str
     entries: list[Entry] = field(default_factory=list)
     sessions: list[Session] = field(default_factory=list)
+    to_note: str = ""
 
     def entry(self, name: str) -> Entry:
         """The entry named `name` (with or without .patch); PortError naming the choices otherwise."""
@@ -144,7 +146,7 @@ def load(directory: Path) -> Port:
                         ) from None
     except tomllib.TOMLDecodeError as exc:
         raise PortError(f"{path}: not valid TOML: {exc}") from None
-    _unknown(path, "", data, (*_TOP, "patch", "session"))
+    _unknown(path, "", data, (*_TOP, *_OPTIONAL_TOP, "patch", "session"))
     top = {key: _string(path, key, data.get(key)) for key in _TOP}
     for key in ("from", "to"):
         if not _SHA.match(top[key]):
@@ -157,7 +159,9 @@ def load(directory: Path) -> Port:
             raise PortError(f"{path}: patch[{i}].name {entry.name!r} appears twice; keep one [[patch]] per patch")
         seen.add(entry.name)
     sessions = [_session(path, i, t) for i, t in enumerate(_tables(path, data, "session"))]
-    return Port(directory, top["fork"], top["from_ref"], top["from"], top["to_ref"], top["to"], entries, sessions)
+    to_note = _string(path, "to_note", data["to_note"]) if "to_note" in data else ""
+    return Port(directory, top["fork"], top["from_ref"], top["from"], top["to_ref"], top["to"], entries, sessions,
+                to_note)
 
 
 def _unknown(path: Path, where: str, table: dict, known: tuple[str, ...]) -> None:
@@ -224,6 +228,7 @@ def save(port: Port) -> None:
     lines = [
         f"# The {port.fork} series ported from {port.from_ref} to {port.to_ref}: third_party/patches/PORTING.md",
         *(f"{key} = {_quote(value)}" for key, value in zip(_TOP, _top_values(port), strict=True)),
+        *([f"to_note = {_quote(port.to_note)}"] if port.to_note else []),
     ]
     for entry in port.entries:
         lines += ["", "[[patch]]", f"name = {_quote(entry.name)}", f"verdict = {_quote(entry.verdict)}"]
