@@ -336,9 +336,11 @@ def _flag(key: str, v) -> bool:
     return v
 
 
-ADDITIONAL_CONFIG = ENGINE_KWARGS + ".additional_config"  # vLLM's EngineArgs.additional_config -> vLLM-Ascend
-TORCHAIR = ADDITIONAL_CONFIG + ".torchair_graph_config"
-ASCEND_SCHEDULER = ADDITIONAL_CONFIG + ".ascend_scheduler_config"
+# vLLM's EngineArgs.additional_config -> vLLM-Ascend, and two of its blocks
+ADDITIONAL_CONFIG = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config"
+TORCHAIR = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.torchair_graph_config"
+ASCEND_SCHEDULER = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.ascend_scheduler_config"
+DP_SYNC_ON_DEVICE = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.dp_sync_on_device"
 MAX_NUM_SEQS = "actor_rollout_ref.rollout.max_num_seqs"
 # engine_kwargs.vllm keys: verl's own (swap_space) and those the recipe sets. verl 0.4.0 passes each non-null one to
 # vllm.LLM, where a typo would fail only on the cluster.
@@ -435,8 +437,7 @@ def vllm_engine_settings(cfg: DictConfig) -> AscendEngine:
     t = torchair_settings(cfg)
     _check_graph_mode(cfg, t, engine.get("max_num_seqs"))
     on = _ascend_scheduler(cfg, t)
-    dp_sync = _flag(f"{ADDITIONAL_CONFIG}.dp_sync_on_device", value(cfg, f"{ADDITIONAL_CONFIG}.dp_sync_on_device",
-                                                                     False))
+    dp_sync = _flag(DP_SYNC_ON_DEVICE, value(cfg, DP_SYNC_ON_DEVICE, False))
     return AscendEngine(t, on, dp_sync)
 
 
