@@ -16,15 +16,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.launch import config, timing  # noqa: E402
 from tools.launch import reference_runs as refs  # noqa: E402
-from tools.launch.keys import AM, A, R  # noqa: E402
 
 PROFILES = ("a3-128-true-weight", "a3-128-random-init")
 # (our change, the overrides that revert it on a3-128-true-weight, option changes that are not config keys)
 CHANGES = [
     ("TensorCache", ("actor_rollout_ref.tensor_cache.enable=false",), {}),
-    ("directed weight sync", (R + "reshard.experts=gather", R + "reshard.tp_pp=gather"), {}),
-    ("manual rollout lifecycle", (R + "lifecycle=sleep",), {}),
-    ("on-policy old_log_prob skip", (A + "recompute_old_log_prob=true",), {}),
+    ("directed weight sync", ("actor_rollout_ref.rollout.reshard.experts=gather",
+                              "actor_rollout_ref.rollout.reshard.tp_pp=gather"), {}),
+    ("manual rollout lifecycle", ("actor_rollout_ref.rollout.lifecycle=sleep",), {}),
+    ("on-policy old_log_prob skip", ("actor_rollout_ref.actor.recompute_old_log_prob=true",), {}),
     ("DP syncs on device", (refs.VLLM + "dp_sync_on_device=false",), {}),
     ("TorchAir graph decode", ("recipe.rollout.torchair_graph=false", refs.TORCHAIR + "enable_multistream_mla=false",
                                refs.TORCHAIR + "enable_multistream_moe=false", refs.TORCHAIR + "enable_kv_nz=false",
@@ -33,14 +33,14 @@ CHANGES = [
                                refs.TORCHAIR + "enable_multistream_moe=false"), {}),
     ("KV cache in NZ", (refs.TORCHAIR + "enable_kv_nz=false",), {}),
     ("packed micro-batches", (), {"packed": False}),
-    ("8 recompute layers (the reference's table: 4)", (AM + "override_transformer_config.recompute_num_layers=4",),
-     {}),
+    ("8 recompute layers (the reference's table: 4)",
+     ("actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=4",), {}),
     ("rollout rebalance (its limit; not wired)", (), {"rebalance": True}),
 ]
 
 
 def profile_run(name: str, overrides=(), **opts) -> timing.Run:
-    run = timing.run_from_config(config.load(refs.CONFIGS / f"{name}.yaml", list(overrides)).cfg)
+    run = timing.run_from_config(config.load(refs.CONFIGS / f"{name}.yaml", list(overrides)))
     return dataclasses.replace(run, opts=dataclasses.replace(run.opts, **opts))
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.conftest import CONFIGS
-from tools.launch import checkpoint_cost, config, env, inputs, layout, preflight, run
+from tools.launch import checkpoint_cost, config, env, inputs, preflight, run
 from tools.model.dims import dims_from_config
 
 A3 = CONFIGS / "a3-128-true-weight.yaml"
@@ -21,7 +21,7 @@ MTBF_S = 24 * 3600  # the 16-node job's MTBF a3-128-true-weight.yaml assumes for
 
 def _a3(*overrides: str):
     recipe = config.load(A3, list(overrides))
-    return layout.from_config(recipe.cfg), dims_from_config(config.model_dims(recipe)[0])
+    return recipe.layout, dims_from_config(config.model_dims(recipe)[0])
 
 
 def test_a3_checkpoint_is_every_parameter_in_bf16_and_fp32_adam():
@@ -118,8 +118,7 @@ def test_checkpoint_dir_check_wants_it_writable(tmp_path):
 def test_a_run_that_saves_needs_the_dir_and_one_that_does_not_is_not_held_up(tmp_path):
     def dir_checks(*overrides):
         recipe = config.load(A3, list(overrides))
-        return [c for c in inputs.input_checks(recipe.cfg, layout.from_config(recipe.cfg))
-                if c.field == "recipe.checkpoints.dir"]
+        return [c for c in inputs.input_checks(recipe) if c.field == "recipe.checkpoints.dir"]
 
     assert [c.ok for c in dir_checks(f"recipe.checkpoints.dir={tmp_path / 'absent'}")] == [False]
     assert [c.ok for c in dir_checks(f"recipe.checkpoints.dir={tmp_path}")] == [True]

@@ -31,8 +31,9 @@ def dry_run(path: Path, *overrides: str) -> run.Prepared:
 
 
 def series_fields(path: Path, *overrides: str) -> list[str]:
-    """Fields the series validator names, on the config verl would get (its defaults merged in)."""
-    cfg = config.load(path, list(overrides)).cfg
+    """Fields the series validator names, on the config verl would get (its defaults merged in); the config as
+    written, not through config.load, which refuses some of these settings itself (their types, unknown keys)."""
+    cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
     problems = series_settings.check(config.verl_config(cfg, config.verl_base_for(cfg)))
     return [f for p in problems for f in p.fields]
 

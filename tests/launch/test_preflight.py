@@ -6,17 +6,21 @@ import dataclasses
 import json
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.launch.conftest import CONFIGS, LEGACY_LAYOUT, write_dist_manifest, write_manifest
-from tools.launch import config, inputs, layout, memory, preflight
-from tools.launch.keys import AM, RM, A, R
+from tools.launch import config, inputs, memory, preflight
 from tools.model.dims import dims_from_config
+
+# key prefixes that keep the override tables short (the launcher itself names full keys: tools/launch/fields.py)
+A, AM = "actor_rollout_ref.actor.", "actor_rollout_ref.actor.megatron."
+RM, R = "actor_rollout_ref.ref.megatron.", "actor_rollout_ref.rollout."
 
 
 def checks_for(name: str, *overrides: str, device_gb: float = 64.0) -> list[preflight.Check]:
     recipe = config.load(CONFIGS / f"{name}.yaml", list(overrides))
     dims = dims_from_config(config.model_dims(recipe)[0])
-    checks, _ = preflight.run(layout.from_config(recipe.cfg), dims, device_gb)
+    checks, _ = preflight.run(recipe.layout, dims, device_gb)
     return checks
 
 
@@ -89,7 +93,7 @@ def test_recompute_layers_are_bounded_by_the_largest_stage_without_a_layer_list(
     """64 layers over PP8 without a layer list: 8 per stage, so block recompute of 9 layers cannot run."""
     recipe = config.load(CONFIGS / "a3-128-true-weight.yaml", [AM + "num_layer_list=null"])
     dims = dataclasses.replace(dims_from_config(config.model_dims(recipe)[0]), layers=64)
-    lay = layout.from_config(recipe.cfg)
+    lay = recipe.layout
 
     def recompute(num_layers: int) -> preflight.Check:
         checks = preflight.megatron_checks(dataclasses.replace(lay, recompute_num_layers=num_layers), dims)
@@ -105,11 +109,10 @@ def test_memory_estimate_of_the_true_weight_profile():
     recipe = config.load(CONFIGS / "a3-128-true-weight.yaml")
     dims = dims_from_config(config.model_dims(recipe)[0])
     assert dims.total_params() / 1e9 == pytest.approx(671.0, abs=0.1)  # DeepSeek-V3 without MTP
-    est = memory.estimate(layout.from_config(recipe.cfg), dims, 64.0)
+    est = memory.estimate(recipe.layout, dims, 64.0)
     assert est.update["actor params (bf16)"] == pytest.approx(6.59, abs=0.01)  # a stage of 8 MoE layers
     assert est.vllm["kv cache needed"] == pytest.approx(64 * 4096 * 61 * 576 * 2 / 1e9)
-    no_recompute = memory.estimate(layout.from_config(config.load(
-        CONFIGS / "a3-128-random-init.yaml").cfg), dims, 64.0)
+    no_recompute = memory.estimate(config.load(CONFIGS / "a3-128-random-init.yaml").layout, dims, 64.0)
     assert no_recompute.update["activations (1F1B in flight)"] > 10 * est.update["activations (1F1B in flight)"]
 
 
@@ -126,7 +129,7 @@ def _dsv3() -> dict:
 
 
 def _lay(*overrides):
-    return layout.from_config(config.load(CONFIGS / "a3-128-true-weight.yaml", list(overrides)).cfg)
+    return config.load(CONFIGS / "a3-128-true-weight.yaml", list(overrides)).layout
 
 
 def test_weights_check_wants_a_finished_conversion_of_this_layout(tmp_path):
@@ -159,31 +162,32 @@ def test_a_dist_checkpointing_config_takes_a_torch_dist_conversion_of_any_layout
 def test_cpu_tiny_checks_its_torch_dist_checkpoint_and_that_verl_loads_it(tmp_path):
     dist = write_dist_manifest(tmp_path / "dist")
     recipe = config.load(CONFIGS / "cpu-tiny.yaml", [f"recipe.weights.mcore_checkpoint={dist}"])
-    lay = layout.from_config(recipe.cfg)
-    weights = [c for c in inputs.input_checks(recipe.cfg, lay) if c.field.startswith(("recipe.weights", AM, RM))]
+    weights = [c for c in inputs.input_checks(recipe) if c.field.startswith(("recipe.weights", AM, RM))]
     assert [(c.field, c.ok) for c in weights] == [("recipe.weights.mcore_checkpoint", True)]
     other = config.load(CONFIGS / "cpu-tiny.yaml", [f"recipe.weights.mcore_checkpoint={dist}",
                                                     f"{RM}dist_checkpointing_path={tmp_path / 'elsewhere'}"])
-    failed = [c for c in inputs.input_checks(other.cfg, lay) if not c.ok and c.name != "required setting"]
+    failed = [c for c in inputs.input_checks(other) if not c.ok and c.name != "required setting"]
     assert [c.field for c in failed] == [RM + "dist_checkpointing_path"]
     random = config.load(CONFIGS / "cpu-tiny.yaml", ["recipe.weights.load=false",
                                                      "recipe.weights.mcore_checkpoint=null"])
-    assert not [c for c in inputs.input_checks(random.cfg, lay) if c.field.startswith("recipe.weights")]
+    assert not [c for c in inputs.input_checks(random) if c.field.startswith("recipe.weights")]
 
 
 def test_required_paths_are_named_with_how_to_set_them(tmp_path):
     recipe = config.load(CONFIGS / "a3-128-true-weight.yaml")
-    failed = [c for c in inputs.input_checks(recipe.cfg, layout.from_config(recipe.cfg)) if not c.ok]
+    failed = [c for c in inputs.input_checks(recipe) if not c.ok]
     assert {c.field for c in failed} == {"actor_rollout_ref.model.path", "data.train_files", "data.val_files",
                                          "recipe.weights.mcore_checkpoint", "recipe.checkpoints.dir"}
     assert any("tools.weights hf-to-mcore" in c.fix for c in failed)
 
 
 def test_unknown_verl_key_is_refused():
-    recipe = config.load(CONFIGS / "a3-128-true-weight.yaml", [R + "gpu_mem_utilization=0.5",
-                                                               AM + "anything_the_forks_add=1"])
-    assert sorted(config.unknown_keys(recipe.cfg, config.verl_base())) == [AM + "anything_the_forks_add",
-                                                                            R + "gpu_mem_utilization"]
+    overrides = [R + "gpu_mem_utilization=0.5", AM + "anything_the_forks_add=1"]
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIGS / "a3-128-true-weight.yaml"), OmegaConf.from_dotlist(overrides))
+    assert sorted(config.unknown_keys(cfg, config.verl_base())) == [AM + "anything_the_forks_add",
+                                                                     R + "gpu_mem_utilization"]
+    with pytest.raises(config.ConfigError, match=r"anything_the_forks_add is not a key of verl's trainer config"):
+        config.load(CONFIGS / "a3-128-true-weight.yaml", overrides)
 
 
 def test_bad_override_and_missing_launch_block_are_named(tmp_path):

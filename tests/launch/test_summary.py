@@ -6,7 +6,7 @@ import json
 import math
 
 from tests.launch.conftest import CONFIGS
-from tools.launch import config, layout, plan, preflight, summary
+from tools.launch import config, plan, preflight, summary
 from tools.model.dims import dims_from_config
 
 
@@ -67,16 +67,16 @@ def test_a_step_without_timings_still_gets_a_row():
 
 
 def test_cpu_ranks_are_ray_cpus_next_to_the_trainer_task():
-    lay = layout.from_config(config.load(CONFIGS / "cpu-tiny.yaml").cfg)
+    lay = config.load(CONFIGS / "cpu-tiny.yaml").layout
     assert plan.cpus_arg(lay) == ("--num-cpus", str(4 + plan.CPU_RANK_HEADROOM))
-    a3 = layout.from_config(config.load(CONFIGS / "a3-128-true-weight.yaml").cfg)
+    a3 = config.load(CONFIGS / "a3-128-true-weight.yaml").layout
     assert plan.cpus_arg(a3) == ()
 
 
 def _rollout_checks(overrides=()):
     loaded = config.load(CONFIGS / "cpu-tiny.yaml", list(overrides))
     dims = dims_from_config(config.model_dims(loaded)[0])
-    return {c.name: c for c in preflight.rollout_checks(layout.from_config(loaded.cfg), dims)}
+    return {c.name: c for c in preflight.rollout_checks(loaded.layout, dims)}
 
 
 def test_the_rollout_expert_checks_follow_the_engine():

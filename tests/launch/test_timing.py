@@ -50,7 +50,7 @@ def dims():
 
 
 def profile(name: str, *overrides: str) -> timing.Run:
-    return timing.run_from_config(config.load(CONFIGS / f"{name}.yaml", list(overrides)).cfg)
+    return timing.run_from_config(config.load(CONFIGS / f"{name}.yaml", list(overrides)))
 
 
 def test_published_throughput_is_rederived_from_each_runs_lengths_and_step():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.launch.conftest import CONFIGS, LEGACY_LAYOUT
-from tools.launch import config, inputs, layout
+from tools.launch import config, inputs
 from tools.model.dims import dims_from_config
 from tools.model.errors import ConfigError
 from tools.model.parallel import ParallelLayout, checked
@@ -16,7 +16,7 @@ A3 = ParallelLayout(tp=4, pp=8, ep=8, extend_ep=True, layer_list=(7, 7, 8, 8, 8,
 
 def a3_run():
     recipe = config.load(CONFIGS / "a3-128-true-weight.yaml")
-    return layout.from_config(recipe.cfg), dims_from_config(config.model_dims(recipe)[0])
+    return recipe.layout, dims_from_config(config.model_dims(recipe)[0])
 
 
 def test_the_launcher_reads_one_layout_per_megatron_block():

@@ -305,10 +305,10 @@ def worker_node(cmd: list[str], log: Path) -> subprocess.Popen:
     """The worker node's `ray start`, as `python -m tools.launch` on a second node runs it (plan.worker_command),
     with ports of its own beside the head's on this one machine, started once the head answers."""
     from tests.gloo import free_port
-    from tools.launch import cluster, config, layout, plan
+    from tools.launch import cluster, config, plan
 
     port = int(next(a for a in cmd if a.startswith("launch.ray.port=")).split("=")[1])
-    lay = layout.from_config(config.load(ROOT / "recipes/deepseek_r1/configs/cpu-tiny.yaml", list(TWO_NODES)).cfg)
+    lay = config.load(ROOT / "recipes/deepseek_r1/configs/cpu-tiny.yaml", list(TWO_NODES)).layout
     extra = (f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}")
     ray_bin = str(Path(sys.executable).with_name("ray"))
     cluster.wait_for_port("127.0.0.1", port, attempts=600, backoff_s=1, max_backoff_s=1, say=lambda _: None)

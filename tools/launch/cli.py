@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["RAY_AUTH_MODE"] = cluster.ray_auth_mode()
     try:
         recipe = config.load(args.config, args.overrides)
-        nodes = int(recipe.cfg.launch.nodes)
+        nodes = recipe.launch.nodes
         master = args.master_addr or ("127.0.0.1" if nodes == 1 or args.dry_run else None)
         if not master:
             raise config.ConfigError(f"launch.nodes is {nodes}: set MASTER_ADDR (or --master-addr) to the head's"

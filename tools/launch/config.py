@@ -1,25 +1,34 @@
-"""Recipe configs: load with overrides, check keys against verl's own config, build the verl config.
+"""Recipe configs: load with overrides, check them, type them once (Recipe), build the verl config.
 
 A recipe config is a verl config (keys of verl's ppo_megatron_trainer.yaml, which in our series declares the
-series' own keys too) plus `launch:` and `recipe:`, which only the launcher reads (`recipe:` is typed by
-RecipeSettings). Keys verl does not have are refused, naming the nearest known key. The rules of verl's settings
-live in our verl series (verl/trainer/config/series_settings.py), which check_series runs.
+series' own keys too) plus `launch:` and `recipe:`, which only the launcher reads (typed by LaunchSettings and
+RecipeSettings). load refuses keys verl does not have, naming the nearest known key, and values that break their
+type, fixed set or range (tools/launch/rules.py), then reads every value the launcher uses into the typed Recipe
+(tools/launch/fields.py maps each field to its key). The rules across verl's settings live in our verl series
+(verl/trainer/config/series_settings.py), which check_series runs.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import importlib
 import importlib.util
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationToMissingValueError, MissingMandatoryValue, ValidationError
 
 from tools.model.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tools.launch.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 VERL_CONFIG = "verl/trainer/config/ppo_megatron_trainer.yaml"
@@ -43,15 +52,66 @@ REQUIRED_LAUNCH = ("launch.nodes", "launch.devices_per_node", "launch.accelerato
 
 @dataclass(frozen=True)
 class Recipe:
-    """A loaded config: the file it came from (relative paths in it are relative to it) and its content."""
+    """A loaded config, checked and typed (load): the file it came from (relative paths in it are relative to it),
+    its content as written plus the overrides (what verl gets, in verl.yaml), and the typed settings every part
+    of the launcher reads instead of the content. tools/launch/fields.py maps each typed field to its key."""
 
     path: Path
     cfg: DictConfig
-    overrides: tuple[str, ...] = ()
+    overrides: tuple[str, ...]
+    launch: LaunchSettings  # the cluster: nodes, devices, accelerator, env profile, Ray
+    settings: RecipeSettings  # recipe:
+    engine: AscendEngine  # what vLLM-Ascend gets through engine_kwargs.vllm
+    layout: Layout  # the parallel layouts of actor, ref and rollout, the batch, the checkpoints
+    rollout: RolloutSettings  # what the step time depends on besides the layout
+    inputs: Inputs  # what the run reads from disk
 
     @property
     def name(self) -> str:
         return self.path.stem
+
+
+@dataclass
+class RaySettings:
+    port: int = MISSING  # GCS port on the head
+    dashboard_port: int = MISSING  # the Jobs API the trainer is submitted through
+    join_timeout_s: float = 600.0  # how long the head waits for every node and its devices
+    extra_start_args: list[str] = field(default_factory=list)  # added to every `ray start` (e.g. fixed ports)
+
+
+@dataclass
+class LaunchSettings:
+    """`launch:`, read only by the launcher: the cluster (OmegaConf refuses any other key)."""
+
+    nodes: int = MISSING
+    devices_per_node: int = MISSING
+    accelerator: str = MISSING  # a3 | h200 | cpu
+    env_profile: str = MISSING  # recipes/<recipe>/env/<name>.yaml
+    ray: RaySettings = field(default_factory=RaySettings)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """verl settings the step time depends on besides the layout (timing.options)."""
+
+    tensor_cache: bool = False
+    reshard_experts: str = "gather"
+    lifecycle: str = "sleep"
+    calculate_log_probs: bool = False
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the run reads from disk, and the required settings left as `???` (inputs.input_checks)."""
+
+    missing: tuple[str, ...] = ()
+    model_path: str | None = None
+    train_files: str | list[str] | None = None
+    val_files: str | list[str] | None = None
+    weights_load: bool = False
+    mcore_checkpoint: str | None = None
+    dist: tuple[tuple[str, bool, str | None], ...] = ()  # (role, use_dist_checkpointing, dist_checkpointing_path)
 
 
 @dataclass
@@ -101,19 +161,40 @@ class RecipeSettings:
 def recipe_settings(cfg: DictConfig) -> DictConfig:
     """`recipe:` checked against RecipeSettings: an unknown key or a wrong type names the key (and the nearest
     known one)."""
-    block = cfg.get("recipe") if isinstance(cfg, DictConfig) else None
-    schema = OmegaConf.structured(RecipeSettings)
+    return _typed_block(cfg, "recipe", RecipeSettings, "a recipe setting")
+
+
+def launch_settings(cfg: DictConfig) -> LaunchSettings:
+    """`launch:` checked against LaunchSettings, as an object."""
+    return as_object(_typed_block(cfg, "launch", LaunchSettings, "a launch setting"))
+
+
+def as_object(block: DictConfig):
+    """A checked block as its dataclass; a required setting left `???` is None there (inputs reports it)."""
+    block = copy.deepcopy(block)
+    for key in missing_keys(block):
+        try:
+            OmegaConf.update(block, key, None, merge=False)
+        except ValidationError:
+            raise ConfigError(f"{block._get_full_key(key)} is ??? (not set): set it on the command line or in"
+                              " the config") from None
+    return OmegaConf.to_object(block)
+
+
+def _typed_block(cfg: DictConfig, name: str, schema: type, what: str) -> DictConfig:
+    block = cfg.get(name) if isinstance(cfg, DictConfig) else None
+    structured = OmegaConf.structured(schema)
     if block is None:
-        return schema
+        return structured
     try:
-        merged = OmegaConf.merge(schema, block)
+        merged = OmegaConf.merge(structured, block)
     except ConfigKeyError as exc:
-        parent, _, key = f"recipe.{exc.full_key}".rpartition(".")
-        known = list(OmegaConf.select(OmegaConf.create({"recipe": schema}), parent).keys())
-        raise ConfigError(f"{parent}.{key} is not a recipe setting{_did_you_mean(key, known)}; known under"
+        parent, _, key = f"{name}.{exc.full_key}".rpartition(".")
+        known = list(OmegaConf.select(OmegaConf.create({name: structured}), parent).keys())
+        raise ConfigError(f"{parent}.{key} is not {what}{_did_you_mean(key, known)}; known under"
                           f" {parent}: {', '.join(known)}") from None
     except ValidationError as exc:
-        raise ConfigError(f"recipe.{exc.full_key}: {exc.msg.splitlines()[0]}") from None
+        raise ConfigError(f"{name}.{exc.full_key}: {exc.msg.splitlines()[0]}") from None
     return merged
 
 
@@ -123,7 +204,8 @@ def _did_you_mean(key: str, known) -> str:
 
 
 def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """The config file with `key=value` overrides merged on top (OmegaConf dotlist syntax)."""
+    """The config file with `key=value` overrides merged on top (OmegaConf dotlist syntax), checked (keys, types,
+    fixed sets and ranges: tools/launch/rules.py; the A3-only settings; vLLM's engine arguments) and typed once."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config {path} not found")
@@ -136,12 +218,72 @@ def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
             raise ConfigError(f"{path}: {key} is not set; every recipe config has a launch block"
                               " (nodes, devices_per_node, accelerator, env_profile, ray.port, ray.dashboard_port)")
     try:
-        recipe_settings(cfg)
+        base = verl_base_for(cfg)
+        refuse_unknown_keys(cfg, base)
+        refuse_bad_values(cfg, base)
+        settings = as_object(recipe_settings(cfg))
+        launch = launch_settings(cfg)
         accelerator_settings(cfg)
-        vllm_engine_settings(cfg)
+        engine = vllm_engine_settings(cfg)
+        return typed(path.resolve(), cfg, tuple(overrides), launch, settings, engine)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    return Recipe(path.resolve(), cfg, tuple(overrides))
+
+
+def refuse_bad_values(cfg: DictConfig, declared: DictConfig) -> None:
+    """ConfigError naming the first value that breaks its type, fixed set or range (tools/launch/rules.py), and how
+    many more there are."""
+    from tools.launch import rules
+
+    values = {k: v for k, v in leaf_values(resolved(cfg)).items()
+              if v != "???" and not k.startswith((ENGINE_KWARGS + ".",) + OPEN_MAPS)}
+    types = {**schema_types(LaunchSettings, "launch."), **schema_types(RecipeSettings, "recipe.")}
+    try:
+        problems = rules.check(values, declared, types)
+    except LookupError as exc:
+        raise ConfigError(f"{exc} ({INSTALL})") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more: {', '.join(p.field for p in problems[1:4])})" \
+            if len(problems) > 1 else ""
+        raise ConfigError(problems[0].message + more)
+
+
+def schema_types(schema: type, prefix: str) -> dict[str, type]:
+    """Dotted key -> the plain type (int, float, bool, str, list) of each field of a settings dataclass."""
+    out = {}
+    for name, hint in typing.get_type_hints(schema).items():
+        if dataclasses.is_dataclass(hint):
+            out.update(schema_types(hint, f"{prefix}{name}."))
+            continue
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None -> X
+            hint = next(t for t in typing.get_args(hint) if t is not type(None))
+        base = typing.get_origin(hint) or hint
+        if base in (int, float, bool, str, list):
+            out[prefix + name] = base
+    return out
+
+
+def typed(path: Path, cfg: DictConfig, overrides: tuple[str, ...], launch: LaunchSettings,
+          settings: RecipeSettings, engine: AscendEngine) -> Recipe:
+    """The typed run config of a checked config: every value the launcher reads, read once (tools/launch/fields.py
+    names each field's key)."""
+    from tools.launch import layout
+    from tools.launch.fields import KEY
+
+    def v(name, default=None):
+        return value(cfg, KEY[name], default)
+
+    rollout = RolloutSettings(tensor_cache=bool(v("rollout.tensor_cache", False)),
+                              reshard_experts=str(v("rollout.reshard_experts", "gather")),
+                              lifecycle=str(v("rollout.lifecycle", "sleep")),
+                              calculate_log_probs=bool(v("rollout.calculate_log_probs", False)),
+                              ignore_eos=bool(v("rollout.ignore_eos", False)))
+    inputs = Inputs(missing=tuple(missing_keys(cfg)), model_path=v("inputs.model_path"),
+                    train_files=v("inputs.train_files"), val_files=v("inputs.val_files"),
+                    weights_load=bool(settings.weights.load), mcore_checkpoint=settings.weights.mcore_checkpoint,
+                    dist=tuple((role, v(f"inputs.{role}_dist", False) is True, v(f"inputs.{role}_dist_path"))
+                               for role in ("actor", "ref")))
+    return Recipe(path, cfg, overrides, launch, settings, engine, layout.from_config(cfg, settings), rollout, inputs)
 
 
 def settings_block(cfg: DictConfig, key: str, fields) -> dict | None:
@@ -194,9 +336,11 @@ def _flag(key: str, v) -> bool:
     return v
 
 
-ADDITIONAL_CONFIG = ENGINE_KWARGS + ".additional_config"  # vLLM's EngineArgs.additional_config -> vLLM-Ascend
-TORCHAIR = ADDITIONAL_CONFIG + ".torchair_graph_config"
-ASCEND_SCHEDULER = ADDITIONAL_CONFIG + ".ascend_scheduler_config"
+# vLLM's EngineArgs.additional_config -> vLLM-Ascend, and two of its blocks
+ADDITIONAL_CONFIG = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config"
+TORCHAIR = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.torchair_graph_config"
+ASCEND_SCHEDULER = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.ascend_scheduler_config"
+DP_SYNC_ON_DEVICE = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.dp_sync_on_device"
 MAX_NUM_SEQS = "actor_rollout_ref.rollout.max_num_seqs"
 # engine_kwargs.vllm keys: verl's own (swap_space) and those the recipe sets. verl 0.4.0 passes each non-null one to
 # vllm.LLM, where a typo would fail only on the cluster.
@@ -293,8 +437,7 @@ def vllm_engine_settings(cfg: DictConfig) -> AscendEngine:
     t = torchair_settings(cfg)
     _check_graph_mode(cfg, t, engine.get("max_num_seqs"))
     on = _ascend_scheduler(cfg, t)
-    dp_sync = _flag(f"{ADDITIONAL_CONFIG}.dp_sync_on_device", value(cfg, f"{ADDITIONAL_CONFIG}.dp_sync_on_device",
-                                                                     False))
+    dp_sync = _flag(DP_SYNC_ON_DEVICE, value(cfg, DP_SYNC_ON_DEVICE, False))
     return AscendEngine(t, on, dp_sync)
 
 
@@ -347,6 +490,17 @@ def verl_base(root: Path = ROOT, strategy: str = "megatron") -> DictConfig:
 def verl_base_for(cfg: DictConfig, root: Path = ROOT) -> DictConfig:
     """verl's trainer config for the strategy a recipe config names (megatron when it names none)."""
     return verl_base(root, str(OmegaConf.select(cfg, "actor_rollout_ref.actor.strategy", default="megatron")))
+
+
+def leaf_values(data: dict, prefix: str = "") -> dict:
+    """Dotted key -> value of every leaf of plain data (lists and empty mappings count as leaves)."""
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out.update(leaf_values(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def leaf_keys(node, prefix: str = "") -> list[str]:
@@ -487,13 +641,12 @@ def verl_config(cfg: DictConfig, base: DictConfig) -> DictConfig:
 
 def model_dims(recipe: Recipe) -> tuple[dict, str]:
     """Architecture numbers: the HF config.json under model.path when there is one, else recipe.model_dims."""
-    cfg = recipe.cfg
-    model_path = value(cfg, "actor_rollout_ref.model.path")
+    model_path = recipe.inputs.model_path
     if model_path:
         hf = Path(str(model_path)).expanduser() / "config.json"
         if hf.is_file():
             return json.loads(hf.read_text()), str(hf)
-    rel = value(cfg, "recipe.model_dims")
+    rel = recipe.settings.model_dims
     if not rel:
         raise ConfigError("recipe.model_dims is not set and actor_rollout_ref.model.path holds no config.json:"
                           " set recipe.model_dims=../model/deepseek-v3.yaml (relative to the config)")

@@ -12,9 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from tools.launch.config import missing_keys, value
+from tools.launch.config import Recipe
+from tools.launch.fields import KEY
 from tools.launch.layout import Layout
 from tools.launch.preflight import Check
 
@@ -24,8 +23,6 @@ CONVERT = ("python -m tools.weights hf-to-mcore --src <bf16 HF dir> --dst <dir> 
            " --tp {tp} --pp {pp} --ep {ep} --num-layer-list {layers}{extend}")
 CONVERT_DIST = "python -m tools.weights hf-to-mcore --src <bf16 HF dir> --dst <dir>"  # torch_dist, no layout
 DIST_METADATA = "metadata.json"  # Megatron's dist_checkpointing backend file (tools/weights/dist.py writes it)
-USE_DIST = "actor_rollout_ref.{}.megatron.use_dist_checkpointing"
-DIST_PATH = "actor_rollout_ref.{}.megatron.dist_checkpointing_path"
 
 HOW_TO_SET = {
     "actor_rollout_ref.model.path": "the HF model directory (config.json + tokenizer)",
@@ -50,7 +47,7 @@ def checkpoint_problems(manifest: dict, lay: Layout, dist: bool = False) -> list
     header = manifest.get("header", {})
     if dist:
         if header.get("format") != "torch_dist":
-            return [f"{USE_DIST.format('actor')} is true, so verl reads it with Megatron's dist_checkpointing,"
+            return [f"{KEY['inputs.actor_dist']} is true, so verl reads it with Megatron's dist_checkpointing,"
                     f" which needs an hf-to-mcore torch_dist conversion (manifest format={header.get('format')!r})"]
         if DIST_METADATA not in manifest.get("files", {}):
             return [f"conversion incomplete ({DIST_METADATA} not recorded): convert again into an empty --dst"]
@@ -74,24 +71,25 @@ def _exists(key: str, raw) -> Check:
                  f"not found: {', '.join(map(str, missing))}" if missing else "")
 
 
-def input_checks(cfg: DictConfig, lay: Layout) -> list[Check]:
+def input_checks(recipe: Recipe) -> list[Check]:
+    inp, lay = recipe.inputs, recipe.layout
     checks = []
-    missing = set(missing_keys(cfg))
+    missing = set(inp.missing)
     for key in sorted(missing):
         checks.append(Check("required setting", key, f"{key} = ???", "set on the command line or in the config", False,
                             f"add {key}=<{HOW_TO_SET.get(key, 'value')}>"))
-    for key in ("actor_rollout_ref.model.path", "data.train_files", "data.val_files"):
-        if key not in missing:
-            checks.append(_exists(key, value(cfg, key)))
-    if value(cfg, "recipe.weights.load", False) and "recipe.weights.mcore_checkpoint" not in missing:
-        path = value(cfg, "recipe.weights.mcore_checkpoint")
-        checks.append(weights_check(path, lay, value(cfg, USE_DIST.format("actor"), False) is True))
-        for role in ("actor", "ref"):  # verl reads dist_checkpointing_path: it must be the checkpoint checked here
-            if value(cfg, USE_DIST.format(role), False) is True and value(cfg, DIST_PATH.format(role)) != path:
-                checks.append(Check("verl loads the checked checkpoint", DIST_PATH.format(role),
-                                    str(value(cfg, DIST_PATH.format(role))),
-                                    "dist_checkpointing_path == recipe.weights.mcore_checkpoint", False,
-                                    "leave it as ${recipe.weights.mcore_checkpoint}"))
+    for name, path in (("inputs.model_path", inp.model_path), ("inputs.train_files", inp.train_files),
+                       ("inputs.val_files", inp.val_files)):
+        if KEY[name] not in missing:
+            checks.append(_exists(KEY[name], path))
+    if inp.weights_load and KEY["inputs.mcore_checkpoint"] not in missing:
+        path = inp.mcore_checkpoint
+        checks.append(weights_check(path, lay, dict((role, use) for role, use, _ in inp.dist)["actor"]))
+        for role, use, dist_path in inp.dist:  # verl reads dist_checkpointing_path: it must be the checkpoint checked
+            if use and dist_path != path:
+                checks.append(Check("verl loads the checked checkpoint", KEY[f"inputs.{role}_dist_path"],
+                                    str(dist_path), "dist_checkpointing_path == recipe.weights.mcore_checkpoint",
+                                    False, "leave it as ${recipe.weights.mcore_checkpoint}"))
     if lay.checkpoints.saves and lay.checkpoints.dir:
         checks.append(checkpoint_dir_check(lay.checkpoints.dir))
     return checks

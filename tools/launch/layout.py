@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from tools.launch.checkpoint_cost import Checkpoints
-from tools.launch.config import recipe_settings, value
-from tools.launch.keys import AM, RM, RR, A, R
+from tools.launch.config import INSTALL, ConfigError, RecipeSettings, as_object, recipe_settings, value
+from tools.launch.fields import KEY
 from tools.model.parallel import ParallelLayout
 
 # Device memory per die/GPU in GB (10^9 bytes) and the Ray resource that counts devices.
@@ -95,58 +95,64 @@ class Layout:
         return self.world // DIES_PER_CARD.get(self.accelerator, 1)
 
 
-def _tuple(v) -> tuple[int, ...] | None:
-    return tuple(int(x) for x in v) if v else None
+def _layer_list(cfg: DictConfig, key: str) -> tuple[int, ...] | None:
+    """A layer list as our verl series reads it ([7,7,8] or "7,7,8"), by the series' own parser."""
+    try:
+        from verl.utils.megatron.layer_list import parse_num_layer_list
+    except ImportError as exc:
+        raise ConfigError(f"verl (our series) is not importable here ({exc}): {key} cannot be read; install the"
+                          f" stack: {INSTALL}") from None
+    try:
+        layers = parse_num_layer_list(value(cfg, key), key)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}: set {key} to one layer count per pipeline stage, or null for an even split") \
+            from None
+    return tuple(layers) if layers else None
 
 
-def parallel_layout(cfg: DictConfig, block: str) -> ParallelLayout:
-    """The Megatron layout a block (AM or RM) of a recipe config sets."""
-    v = lambda key, default=None: value(cfg, block + key, default)  # noqa: E731
-    return ParallelLayout(tp=int(v("tensor_model_parallel_size", 1)), pp=int(v("pipeline_model_parallel_size", 1)),
-                          ep=int(v("expert_model_parallel_size", 1)), etp=v("expert_tensor_parallel_size"),
-                          extend_ep=bool(v("moe_tp_extend_ep", False)), layer_list=_tuple(v("num_layer_list")))
+def parallel_layout(cfg: DictConfig, role: str) -> ParallelLayout:
+    """The Megatron layout of a role ("train": the actor, "ref") of a recipe config."""
+    v = lambda name, default=None: value(cfg, KEY[f"{role}.{name}"], default)  # noqa: E731
+    return ParallelLayout(tp=int(v("tp", 1)), pp=int(v("pp", 1)), ep=int(v("ep", 1)), etp=v("etp"),
+                          extend_ep=bool(v("extend_ep", False)), layer_list=_layer_list(cfg, KEY[f"{role}.layer_list"]))
 
 
-def from_config(cfg: DictConfig) -> Layout:
-    v = lambda key, default=None: value(cfg, key, default)  # noqa: E731
-    recompute = v(AM + "override_transformer_config", {}) or {}
+def from_config(cfg: DictConfig, settings: RecipeSettings | None = None) -> Layout:
+    """The layout of a checked config (config.load builds it once, into Recipe.layout)."""
+    v = lambda name, default=None: value(cfg, KEY[name], default)  # noqa: E731
+    settings = settings or as_object(recipe_settings(cfg))
+    recompute = v("transformer_config", {}) or {}
     return Layout(
-        nodes=int(v("launch.nodes")), devices_per_node=int(v("launch.devices_per_node")),
-        accelerator=str(v("launch.accelerator")),
-        train=parallel_layout(cfg, AM), sequence_parallel=bool(v(AM + "sequence_parallel", False)),
-        swap_optimizer=bool(v(AM + "swap_optimizer", False)),
-        optimizer_offload=bool(v(AM + "optimizer_offload", False)),
-        param_offload=bool(v(AM + "param_offload", False)), grad_offload=bool(v(AM + "grad_offload", False)),
+        nodes=int(v("nodes")), devices_per_node=int(v("devices_per_node")), accelerator=str(v("accelerator")),
+        train=parallel_layout(cfg, "train"), sequence_parallel=bool(v("sequence_parallel", False)),
+        swap_optimizer=bool(v("swap_optimizer", False)), optimizer_offload=bool(v("optimizer_offload", False)),
+        param_offload=bool(v("param_offload", False)), grad_offload=bool(v("grad_offload", False)),
         recompute_granularity=recompute.get("recompute_granularity"),
         recompute_method=recompute.get("recompute_method"),
         recompute_num_layers=recompute.get("recompute_num_layers"),
-        ref=parallel_layout(cfg, RM), ref_param_offload=bool(v(RM + "param_offload", False)),
-        rollout_tp=int(v(R + "tensor_model_parallel_size", 1)), rollout_dp=int(v(RR + "data_parallel_size", 1)),
-        rollout_instances=int(v(RR + "instances", 1)), rollout_ep=int(v(RR + "expert_parallel_size", 1)),
-        gpu_memory_utilization=float(v(R + "gpu_memory_utilization", 0.5)),
-        max_num_seqs=int(v(R + "max_num_seqs", 1024)),
-        max_num_batched_tokens=int(v(R + "max_num_batched_tokens", 8192)),
-        chunked_prefill=bool(v(R + "enable_chunked_prefill", False)), max_model_len=v(R + "max_model_len"),
-        enforce_eager=bool(v(R + "enforce_eager", True)), free_cache_engine=bool(v(R + "free_cache_engine", True)),
-        train_batch=int(v("data.train_batch_size")), n=int(v(R + "n", 1)),
-        mini_batch=int(v(A + "ppo_mini_batch_size")), micro_batch=int(v(A + "ppo_micro_batch_size_per_gpu") or 1),
-        ref_micro_batch=v("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
-        rollout_logprob_micro_batch=v(R + "log_prob_micro_batch_size_per_gpu"),
-        prompt_len=int(v("data.max_prompt_length")), response_len=int(v("data.max_response_length")),
-        ppo_epochs=int(v(A + "ppo_epochs", 1)), recompute_old_log_prob=bool(v(A + "recompute_old_log_prob", True)),
-        adv_estimator=str(v("algorithm.adv_estimator", "gae")), use_kl_loss=bool(v(A + "use_kl_loss", False)),
-        use_kl_in_reward=bool(v("algorithm.use_kl_in_reward", False)),
-        trainer_nnodes=int(v("trainer.nnodes", 1)), trainer_devices=int(v("trainer.n_gpus_per_node", 1)),
-        checkpoints=checkpoints(cfg),
-        rollout_name=str(v(R + "name", "vllm")),
+        ref=parallel_layout(cfg, "ref"), ref_param_offload=bool(v("ref_param_offload", False)),
+        rollout_tp=int(v("rollout_tp", 1)), rollout_dp=int(settings.rollout.data_parallel_size),
+        rollout_instances=int(settings.rollout.instances), rollout_ep=int(settings.rollout.expert_parallel_size),
+        gpu_memory_utilization=float(v("gpu_memory_utilization", 0.5)), max_num_seqs=int(v("max_num_seqs", 1024)),
+        max_num_batched_tokens=int(v("max_num_batched_tokens", 8192)),
+        chunked_prefill=bool(v("chunked_prefill", False)), max_model_len=v("max_model_len"),
+        enforce_eager=bool(v("enforce_eager", True)), free_cache_engine=bool(v("free_cache_engine", True)),
+        train_batch=int(v("train_batch")), n=int(v("n", 1)), mini_batch=int(v("mini_batch")),
+        micro_batch=int(v("micro_batch") or 1), ref_micro_batch=v("ref_micro_batch"),
+        rollout_logprob_micro_batch=v("rollout_logprob_micro_batch"),
+        prompt_len=int(v("prompt_len")), response_len=int(v("response_len")), ppo_epochs=int(v("ppo_epochs", 1)),
+        recompute_old_log_prob=bool(v("recompute_old_log_prob", True)), adv_estimator=str(v("adv_estimator", "gae")),
+        use_kl_loss=bool(v("use_kl_loss", False)), use_kl_in_reward=bool(v("use_kl_in_reward", False)),
+        trainer_nnodes=int(v("trainer_nnodes", 1)), trainer_devices=int(v("trainer_devices", 1)),
+        checkpoints=checkpoints(cfg, settings), rollout_name=str(v("rollout_name", "vllm")),
     )
 
 
-def checkpoints(cfg: DictConfig) -> Checkpoints:
+def checkpoints(cfg: DictConfig, settings: RecipeSettings) -> Checkpoints:
     """recipe.checkpoints (its declared defaults) and the trainer keys verl saves by (verl 0.4.0's defaults)."""
-    ck = recipe_settings(cfg).checkpoints
-    keep = value(cfg, "trainer.max_actor_ckpt_to_keep")
-    return Checkpoints(save_freq=int(value(cfg, "trainer.save_freq", -1)), keep=None if keep is None else int(keep),
-                       dir=ck.dir, write_gb_per_s=float(ck.write_gb_per_s),
-                       step_s=None if ck.step_s is None else float(ck.step_s),
-                       contents=tuple(value(cfg, A + "checkpoint.contents", ["model", "optimizer", "extra"])))
+    ck = settings.checkpoints
+    keep = value(cfg, KEY["checkpoints.keep"])
+    return Checkpoints(save_freq=int(value(cfg, KEY["checkpoints.save_freq"], -1)),
+                       keep=None if keep is None else int(keep), dir=ck.dir,
+                       write_gb_per_s=float(ck.write_gb_per_s), step_s=None if ck.step_s is None else float(ck.step_s),
+                       contents=tuple(value(cfg, KEY["checkpoints.contents"], ["model", "optimizer", "extra"])))

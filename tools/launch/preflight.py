@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tools.launch.keys import AM, RM, RR, R
+from tools.launch.fields import KEY
 from tools.launch.layout import Layout
 from tools.launch.memory import Estimate, estimate
 from tools.model.dims import Dims
@@ -38,11 +38,11 @@ def _div(a: int, b: int) -> bool:
 
 def world_checks(lay: Layout) -> list[Check]:
     return [
-        _c("world size", "launch.nodes", f"{lay.nodes} x {lay.devices_per_node} = {lay.world}",
+        _c("world size", KEY["nodes"], f"{lay.nodes} x {lay.devices_per_node} = {lay.world}",
            "nodes x devices_per_node > 0", lay.world > 0),
-        _c("verl nodes", "trainer.nnodes", f"{lay.trainer_nnodes} vs launch.nodes {lay.nodes}",
+        _c("verl nodes", KEY["trainer_nnodes"], f"{lay.trainer_nnodes} vs launch.nodes {lay.nodes}",
            "trainer.nnodes == launch.nodes", lay.trainer_nnodes == lay.nodes, "leave it as ${launch.nodes}"),
-        _c("verl devices per node", "trainer.n_gpus_per_node", f"{lay.trainer_devices} vs {lay.devices_per_node}",
+        _c("verl devices per node", KEY["trainer_devices"], f"{lay.trainer_devices} vs {lay.devices_per_node}",
            "trainer.n_gpus_per_node == launch.devices_per_node", lay.trainer_devices == lay.devices_per_node,
            "leave it as ${launch.devices_per_node}"),
     ]
@@ -55,35 +55,35 @@ def megatron_checks(lay: Layout, dims: Dims) -> list[Check]:
     etp = 1 if lay.train.extend_ep else (lay.train.etp or tp)
     layers = lay.train.layer_list
     checks = [
-        _c("TP x PP divides world", AM + "pipeline_model_parallel_size", f"{world} % ({tp} x {pp})",
+        _c("TP x PP divides world", KEY["train.pp"], f"{world} % ({tp} x {pp})",
            "world % (TP*PP) == 0", _div(world, tp * pp)),
-        _c("heads split by TP", AM + "tensor_model_parallel_size", f"{dims.heads} % {tp}", "heads % TP == 0",
+        _c("heads split by TP", KEY["train.tp"], f"{dims.heads} % {tp}", "heads % TP == 0",
            _div(dims.heads, tp)),
         _c("experts split by EP" + (" x TP (moe_tp_extend_ep)" if lay.train.extend_ep else ""),
-           AM + "expert_model_parallel_size", f"{dims.experts} % {ep_group}",
+           KEY["train.ep"], f"{dims.experts} % {ep_group}",
            "experts % (EP*TP) == 0" if lay.train.extend_ep else "experts % EP == 0", _div(dims.experts, ep_group)),
-        _c("expert group fits a stage", AM + "expert_model_parallel_size",
+        _c("expert group fits a stage", KEY["train.ep"],
            f"DP*TP = {dp * tp} % (EP*ETP = {ep * tp if lay.train.extend_ep else ep * etp})",
            "EP*TP divides DP*TP" if lay.train.extend_ep else "EP*ETP divides DP*TP",
            _div(dp * tp, ep * (tp if lay.train.extend_ep else etp))),
-        _c("extend-EP has no expert TP", AM + "expert_tensor_parallel_size", f"etp={lay.train.etp}",
+        _c("extend-EP has no expert TP", KEY["train.etp"], f"etp={lay.train.etp}",
            "moe_tp_extend_ep => expert_tensor_parallel_size null or 1",
            not lay.train.extend_ep or lay.train.etp in (None, 1)),
     ]
     if layers is not None:
         # its length against PP is verl's rule (series_settings); the layer count is the model's, which we read here
-        checks.append(_c("layer list sum", AM + "num_layer_list", f"sum = {sum(layers)} vs {dims.layers} layers",
+        checks.append(_c("layer list sum", KEY["train.layer_list"], f"sum = {sum(layers)} vs {dims.layers} layers",
                          "sum(num_layer_list) == num_hidden_layers", sum(layers) == dims.layers))
     else:
-        checks.append(_c("layers split by PP", AM + "pipeline_model_parallel_size", f"{dims.layers} % {pp}",
+        checks.append(_c("layers split by PP", KEY["train.pp"], f"{dims.layers} % {pp}",
                          "num_hidden_layers % PP == 0 (or set num_layer_list)", _div(dims.layers, pp)))
     largest_stage = max(layers) if layers else -(-dims.layers // max(1, pp))
     checks += [
-        _c("recompute layers", AM + "override_transformer_config.recompute_num_layers",
+        _c("recompute layers", KEY["recompute_num_layers"],
            f"{lay.recompute_num_layers} vs largest stage {largest_stage}",
            "block recompute: num_layers <= layers per stage",
            lay.recompute_method != "block" or (lay.recompute_num_layers or 0) <= largest_stage),
-        _c("ref layout = actor layout", RM + "tensor_model_parallel_size",
+        _c("ref layout = actor layout", KEY["ref.tp"],
            f"ref TP{lay.ref.tp} PP{lay.ref.pp} EP{lay.ref.ep} vs actor TP{tp} PP{pp} EP{ep}",
            "ref and actor share one layout (the batch stays in place from ref to update)",
            (lay.ref.tp, lay.ref.pp, lay.ref.ep, lay.ref.layer_list) == (tp, pp, ep, layers)),
@@ -96,35 +96,35 @@ def rollout_checks(lay: Layout, dims: Dims) -> list[Check]:
     train_group = lay.train.ep * lay.train.tp if lay.train.extend_ep else lay.train.ep
     max_len = lay.max_model_len or dims.max_positions
     return [
-        _c("rollout covers the world", RR + "data_parallel_size", f"{dp} x TP{tp} x {inst} = {dp * tp * inst}"
+        _c("rollout covers the world", KEY["rollout_dp"], f"{dp} x TP{tp} x {inst} = {dp * tp * inst}"
            f" vs {lay.world}", "rollout DP * TP * instances == world", dp * tp * inst == lay.world),
-        _c("rollout heads split by TP", R + "tensor_model_parallel_size", f"{dims.heads} % {tp}", "heads % TP == 0",
+        _c("rollout heads split by TP", KEY["rollout_tp"], f"{dims.heads} % {tp}", "heads % TP == 0",
            _div(dims.heads, tp)),
-        _c("rollout EP spans an instance", RR + "expert_parallel_size", f"{ep} vs DP*TP = {dp * tp}",
+        _c("rollout EP spans an instance", KEY["rollout_ep"], f"{ep} vs DP*TP = {dp * tp}",
            "rollout EP == DP * TP", ep == dp * tp) if lay.rollout_name == "vllm" else
-        _c("rollout holds every expert", RR + "expert_parallel_size", f"{ep} ({lay.rollout_name} rollout)",
+        _c("rollout holds every expert", KEY["rollout_ep"], f"{ep} ({lay.rollout_name} rollout)",
            "rollout EP == 1 without vLLM", ep == 1),
-        _c("rollout experts split by EP", RR + "expert_parallel_size", f"{dims.experts} % {ep}",
+        _c("rollout experts split by EP", KEY["rollout_ep"], f"{dims.experts} % {ep}",
            "experts % rollout EP == 0", _div(dims.experts, ep)),
         # without vLLM each rank takes whole layers (every expert), whatever the train expert group
-        _c("expert reshard train -> rollout", RR + "expert_parallel_size", f"{ep} % (EP*TP = {train_group})",
+        _c("expert reshard train -> rollout", KEY["rollout_ep"], f"{ep} % (EP*TP = {train_group})",
            "rollout EP % train expert group == 0", _div(ep, train_group)) if lay.rollout_name == "vllm" else
-        _c("expert reshard train -> rollout", RR + "expert_parallel_size",
+        _c("expert reshard train -> rollout", KEY["rollout_ep"],
            f"rollout EP {ep}, train expert group {train_group}", "without vLLM: every rank receives every expert",
            ep == 1),
-        _c("sequence fits the model", "data.max_response_length",
+        _c("sequence fits the model", KEY["response_len"],
            f"{lay.prompt_len} + {lay.response_len} = {lay.seq_len} vs {max_len}",
            "prompt + response <= max_model_len", lay.seq_len <= max_len),
-        _c("prefill chunking", R + "max_num_batched_tokens",
+        _c("prefill chunking", KEY["max_num_batched_tokens"],
            f"{lay.max_num_batched_tokens}, chunked_prefill={lay.chunked_prefill}, len {lay.seq_len}",
            "chunked prefill or max_num_batched_tokens >= prompt + response",
            lay.chunked_prefill or lay.max_num_batched_tokens >= lay.seq_len),
-        _c("one batch per engine", R + "max_num_seqs",
+        _c("one batch per engine", KEY["max_num_seqs"],
            f"{lay.max_num_seqs} vs {lay.sequences} / {lay.engines} engines = {-(-lay.sequences // lay.engines)}",
            "max_num_seqs >= sequences per engine", lay.max_num_seqs * lay.engines >= lay.sequences),
-        _c("memory fraction", R + "gpu_memory_utilization", lay.gpu_memory_utilization,
+        _c("memory fraction", KEY["gpu_memory_utilization"], lay.gpu_memory_utilization,
            "0 < gpu_memory_utilization <= 1", 0 < lay.gpu_memory_utilization <= 1),
-        _c("graph mode keeps its cache", R + "free_cache_engine",
+        _c("graph mode keeps its cache", KEY["free_cache_engine"],
            f"enforce_eager={lay.enforce_eager}, free_cache_engine={lay.free_cache_engine}",
            "graph mode (enforce_eager False) => free_cache_engine False (verl 0.4.0 asserts it)",
            lay.enforce_eager or not lay.free_cache_engine),
@@ -137,17 +137,17 @@ def batch_checks(lay: Layout) -> list[Check]:
     seqs, dp = lay.sequences, max(1, lay.dp)
     per_rank = seqs // dp
     checks = [
-        _c("sequences split over engines", "data.train_batch_size", f"{seqs} % {lay.engines} engines",
+        _c("sequences split over engines", KEY["train_batch"], f"{seqs} % {lay.engines} engines",
            "train_batch_size * n % (rollout DP * instances) == 0", _div(seqs, lay.engines)),
-        _c("GRPO groups", R + "n", f"adv_estimator={lay.adv_estimator}, n={lay.n}", "grpo => n > 1",
+        _c("GRPO groups", KEY["n"], f"adv_estimator={lay.adv_estimator}, n={lay.n}", "grpo => n > 1",
            lay.adv_estimator != "grpo" or lay.n > 1),
-        _c("one KL placement", "algorithm.use_kl_in_reward",
+        _c("one KL placement", KEY["use_kl_in_reward"],
            f"use_kl_loss={lay.use_kl_loss}, use_kl_in_reward={lay.use_kl_in_reward}",
            "not both KL loss and KL in reward", not (lay.use_kl_loss and lay.use_kl_in_reward)),
     ]
-    for name, key, micro in (("ref log-prob micro-batch", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    for name, key, micro in (("ref log-prob micro-batch", KEY["ref_micro_batch"],
                               lay.ref_micro_batch),
-                             ("rollout log-prob micro-batch", R + "log_prob_micro_batch_size_per_gpu",
+                             ("rollout log-prob micro-batch", KEY["rollout_logprob_micro_batch"],
                               lay.rollout_logprob_micro_batch)):
         if micro:
             checks.append(_c(name, key, f"{per_rank} per DP rank % {micro}", "sequences per DP rank % micro == 0",
@@ -161,14 +161,14 @@ def memory_checks(est: Estimate) -> list[Check]:
     util_gb = est.vllm["budget (gpu_memory_utilization x device)"]
     kv_budget, kv_need = est.vllm["kv cache budget"], est.vllm["kv cache needed"]
     return [
-        _c("update peak per die", AM + "pipeline_model_parallel_size",
+        _c("update peak per die", KEY["train.pp"],
            f"{est.update_total:.1f} GB (stage {est.update_stage}) vs {dev:.0f} GB", "update peak <= device memory",
            est.update_total <= dev, "more PP/TP, recompute, swap_optimizer, or ref param_offload"),
-        _c("room beside vLLM", R + "gpu_memory_utilization",
+        _c("room beside vLLM", KEY["gpu_memory_utilization"],
            f"{outside:.1f} GB resident + {util_gb:.1f} GB vLLM vs {dev:.0f} GB",
            "resident + gpu_memory_utilization x device <= device", outside + util_gb <= dev,
            "offload Megatron params/grads or lower gpu_memory_utilization"),
-        _c("KV cache for one batch", R + "gpu_memory_utilization",
+        _c("KV cache for one batch", KEY["gpu_memory_utilization"],
            f"needs {kv_need:.1f} GB, budget {kv_budget:.1f} GB", "kv needed <= kv budget", kv_need <= kv_budget,
            "raise gpu_memory_utilization or rollout EP, or lower max_num_seqs"),
     ]
@@ -183,10 +183,10 @@ def checkpoint_checks(lay: Layout) -> list[Check]:
         return []
     keep = "null" if ck.keep is None else ck.keep
     return [
-        _c("checkpoints on a shared dir", "recipe.checkpoints.dir", f"save_freq={ck.save_freq}, dir={ck.dir or 'null'}",
+        _c("checkpoints on a shared dir", KEY["checkpoints.dir"], f"save_freq={ck.save_freq}, dir={ck.dir or 'null'}",
            "saving (save_freq > 0) on a device profile => recipe.checkpoints.dir set", not ck.saves or ck.dir,
            "set recipe.checkpoints.dir=<a directory every node mounts> (or trainer.save_freq=-1)"),
-        _c("checkpoints kept are bounded", "trainer.max_actor_ckpt_to_keep", f"save_freq={ck.save_freq}, keep={keep}",
+        _c("checkpoints kept are bounded", KEY["checkpoints.keep"], f"save_freq={ck.save_freq}, keep={keep}",
            "saving on a device profile => max_actor_ckpt_to_keep >= 1", not ck.saves or ck.bounded,
            "set trainer.max_actor_ckpt_to_keep=2 (the newest and the one before)"),
     ]

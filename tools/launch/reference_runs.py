@@ -17,12 +17,12 @@ from functools import lru_cache
 from pathlib import Path
 
 from tools.launch import config, timing
-from tools.launch.keys import AM, A, R
 from tools.model.dims import Dims, dims_from_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "deepseek_r1" / "configs"
-VLLM = R + "engine_kwargs.vllm.additional_config."
-TORCHAIR = VLLM + "torchair_graph_config."
+# vLLM-Ascend's options (config.ADDITIONAL_CONFIG) and its TorchAir graph options, for the overrides below
+VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config."
+TORCHAIR = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.torchair_graph_config."
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,7 @@ class Published:
     covers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def run(self) -> timing.Run:
-        cfg = config.load(CONFIGS / f"{self.profile}.yaml", list(self.overrides)).cfg
-        run = timing.run_from_config(cfg)
+        run = timing.run_from_config(config.load(CONFIGS / f"{self.profile}.yaml", list(self.overrides)))
         # none of them sends TensorCache's advantages once per DP rank: that is our series'
         return replace(run, opts=replace(run.opts, packed=self.packed, advantages_per_dp=False), work=self.workload)
 
@@ -56,8 +55,10 @@ class Published:
 
 TRUE_WEIGHT = Published(
     "reference, true weights (step 2)", "a3-128-true-weight",
-    (AM + "override_transformer_config.recompute_num_layers=4", "actor_rollout_ref.tensor_cache.enable=false",
-     VLLM + "dp_sync_on_device=false", R + "max_num_batched_tokens=1024"),
+    ("actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=4",
+     "actor_rollout_ref.tensor_cache.enable=false",
+     VLLM + "dp_sync_on_device=false",
+     "actor_rollout_ref.rollout.max_num_batched_tokens=1024"),
     "the table is for 4 recompute layers (the note above it); footnote [1] enables §5.1 and §6.1-6.4 on the"
     " r1_ascend code: no TensorCache (§3), DP syncs on gloo (§6.6); its ref (144.5 s) is TensorCache's 'before'"
     " (156.8 s, §3.2.4), not its 'after' (105.1 s). Its reshard (11.5 s) matches the random-init run's directed"
@@ -67,7 +68,8 @@ TRUE_WEIGHT = Published(
      "reshard": 11.5, "offload": 5.5}, 859.68, 123.16)
 
 RANDOM_INIT = Published(
-    "reference, random init, forced 3K (step 5)", "a3-128-random-init", (R + "max_num_batched_tokens=1024",),
+    "reference, random init, forced 3K (step 5)", "a3-128-random-init",
+    ("actor_rollout_ref.rollout.max_num_batched_tokens=1024",),
     "footnote [2]: every optimisation of §3-6, so TensorCache, the directed reshard and DP syncs on device (its"
     " rollout, 318.27 s, is §6.6.3's 'after', 322 s); no recompute; forced expert balance (the model assumes"
     " balanced routing everywhere). Prefill budget 1024 (§2.2).",
@@ -75,19 +77,36 @@ RANDOM_INIT = Published(
     {"rollout": 318.27, "old_log_prob": 0.0, "ref": 104.7, "reward": 13.7, "adv": 0.188, "update": 328.8,
      "reshard": 11.18, "offload": 24.45}, 796.8, 250.2)
 
+R1_ASCEND_OVERRIDES = (
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=8",
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size=32",
+    "actor_rollout_ref.actor.megatron.moe_tp_extend_ep=false",
+    "actor_rollout_ref.actor.megatron.num_layer_list=[6,8,8,8,8,8,8,7]",
+    "actor_rollout_ref.actor.megatron.sequence_parallel=false",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=block",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=8",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.actor.recompute_old_log_prob=true",
+    "actor_rollout_ref.tensor_cache.enable=false",
+    "actor_rollout_ref.rollout.reshard.experts=gather",
+    "actor_rollout_ref.rollout.reshard.tp_pp=gather",
+    "actor_rollout_ref.rollout.lifecycle=sleep",
+    "recipe.rollout.torchair_graph=false",
+    TORCHAIR + "enable_multistream_mla=false",
+    TORCHAIR + "enable_multistream_moe=false",
+    TORCHAIR + "enable_kv_nz=false",
+    TORCHAIR + "graph_batch_sizes=[]",
+    VLLM + "dp_sync_on_device=false",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=1024",
+    "data.max_response_length=2048",
+    "actor_rollout_ref.rollout.ignore_eos=false",
+    "actor_rollout_ref.rollout.calculate_log_probs=false",
+)
 R1_ASCEND = Published(
     "verl recipe/r1_ascend (v0.7.0, step 2)", "a3-128-random-init",
-    (AM + "tensor_model_parallel_size=1", AM + "pipeline_model_parallel_size=8", AM + "expert_model_parallel_size=32",
-     AM + "moe_tp_extend_ep=false", AM + "num_layer_list=[6,8,8,8,8,8,8,7]", AM + "sequence_parallel=false",
-     AM + "override_transformer_config.recompute_granularity=full",
-     AM + "override_transformer_config.recompute_method=block",
-     AM + "override_transformer_config.recompute_num_layers=8",
-     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", A + "recompute_old_log_prob=true",
-     "actor_rollout_ref.tensor_cache.enable=false", R + "reshard.experts=gather", R + "reshard.tp_pp=gather",
-     R + "lifecycle=sleep", "recipe.rollout.torchair_graph=false", TORCHAIR + "enable_multistream_mla=false",
-     TORCHAIR + "enable_multistream_moe=false", TORCHAIR + "enable_kv_nz=false", TORCHAIR + "graph_batch_sizes=[]",
-     VLLM + "dp_sync_on_device=false", R + "max_num_batched_tokens=1024", "data.max_response_length=2048",
-     R + "ignore_eos=false", R + "calculate_log_probs=false"),
+    R1_ASCEND_OVERRIDES,
     "its script: actor and ref EP32 PP8 (TP1), layers 6,8,..,7, full block recompute of 8, log-prob micro-batches"
     " 4, rollout TP2 over 256 dies (DP128 EP256) with no TorchAir config, 1K/2K; upstream verl: no TensorCache,"
     " gather reshard, packed micro-batches, DP syncs on gloo; old_log_prob computed (105.5 s published); vLLM's"

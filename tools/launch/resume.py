@@ -15,8 +15,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from tools.launch.config import value
-from tools.launch.keys import AM
+from tools.launch.config import Recipe, value
+from tools.launch.fields import KEY
 from tools.model.dims import dims_from_config
 from tools.model.errors import ConfigError
 
@@ -24,10 +24,8 @@ PARTIAL = ".partial"  # a cut-off save, renamed out of the way of the resumed ru
 SAVED_MODEL = "actor/hf_config_and_tokenizer/config.json"  # verl saves the model's config.json with its weights
 # What the checkpoint's files are cut by: a change here cannot be loaded (the world fixes the DP groups that
 # gathered the optimizer state).
-LAYOUT_KEYS = (AM + "tensor_model_parallel_size", AM + "pipeline_model_parallel_size",
-               AM + "expert_model_parallel_size", AM + "expert_tensor_parallel_size",
-               AM + "virtual_pipeline_model_parallel_size", AM + "num_layer_list", AM + "moe_tp_extend_ep",
-               AM + "use_distributed_optimizer", "launch.nodes", "launch.devices_per_node")
+LAYOUT_KEYS = tuple(KEY[f] for f in ("train.tp", "train.pp", "train.ep", "train.etp", "train.vpp", "train.layer_list",
+                                     "train.extend_ep", "train.distributed_optimizer", "nodes", "devices_per_node"))
 
 
 @dataclass(frozen=True)
@@ -132,7 +130,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(str(where))
 
 
-def find(run_dir: Path, cfg: DictConfig, model_config: dict) -> tuple[Checkpoint, list[Path]]:
+def find(run_dir: Path, recipe: Recipe, model_config: dict) -> tuple[Checkpoint, list[Path]]:
     """The checkpoint to continue from and the cut-off saves beside it, or ConfigError naming what is wrong and
     the fix: no complete checkpoint, a changed layout, a changed model."""
     ckpt_dir = checkpoint_dir(run_dir)
@@ -142,8 +140,8 @@ def find(run_dir: Path, cfg: DictConfig, model_config: dict) -> tuple[Checkpoint
         raise ConfigError(f"--resume {run_dir}: no complete checkpoint in {ckpt_dir} (no"
                           f" {tracker_path(ckpt_dir).name} naming a global_step_N folder){seen}. The run saved none"
                           " before it stopped (trainer.save_freq is"
-                          f" {value(cfg, 'trainer.save_freq')}): start a new run without --resume")
-    problems = layout_changes(saved_config(run_dir), cfg)
+                          f" {recipe.layout.checkpoints.save_freq}): start a new run without --resume")
+    problems = layout_changes(saved_config(run_dir), recipe.cfg)
     saved_model = found.path / SAVED_MODEL
     if saved_model.is_file():
         import json

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -81,25 +82,23 @@ def prepare(recipe: config.Recipe, facts: env.NodeFacts, run_id: str, logs_root:
             python: str = sys.executable, ray_bin: str = "ray", device_gb: float | None = None,
             what_if: tuple[str, ...] = ()) -> Prepared:
     cfg = recipe.cfg
-    base = config.verl_base_for(cfg)
-    config.refuse_unknown_keys(cfg, base)
-    config.check_series(cfg, base)  # verl's settings, by our verl series' own validators
-    for key, instead in LAUNCHER_KEYS.items():
+    config.check_series(cfg, config.verl_base_for(cfg))  # verl's settings, by our verl series' own validators
+    for key in LAUNCHER_KEYS:
         if config.value(cfg, key) is not None:
-            raise config.ConfigError(f"{key} is set by the launcher: {instead}")
-    lay = layout.from_config(cfg)
+            raise config.ConfigError(f"{key} is set by the launcher: {LAUNCHER_KEYS[key]}")
+    lay = recipe.layout
     raw, dims_source = config.model_dims(recipe)
     dims = dims_from_config(raw, dims_source)
     gb = device_gb if device_gb is not None else device_memory_gb(lay.accelerator, lay.devices_per_node)
     checks, est = preflight.run(lay, dims, gb)
     cost = checkpoint_cost.estimate(lay.checkpoints, dims) if lay.accelerator != "cpu" else None
-    input_checks = inputs.input_checks(cfg, lay)
-    profile = env.load_profile(recipe.path.parent.parent, str(config.value(cfg, "launch.env_profile")))
+    input_checks = inputs.input_checks(recipe)
+    profile = env.load_profile(recipe.path.parent.parent, recipe.launch.env_profile)
     node_env, notes = env.node_env(profile, facts)
     run_dir = Path(logs_root) / run_id
     node_env["RAY_AUTH_MODE"] = cluster.ray_auth_mode()  # one mode for the daemons, the job and this client
     node_env["TENSORBOARD_DIR"] = str(run_dir / TENSORBOARD)  # verl's tensorboard logger writes, the summary reads
-    the_plan = plan.build(recipe.name, run_id, run_dir, lay, config.value(cfg, "launch.ray"), node_env, notes,
+    the_plan = plan.build(recipe.name, run_id, run_dir, lay, dataclasses.asdict(recipe.launch.ray), node_env, notes,
                           profile.left_out, python, preflight.derived(lay, dims), ray_bin)
     prepared = Prepared(recipe, the_plan, checks, est, dims_source, input_checks, cost)
     prepared.timing = predict_step(prepared, dims)
@@ -116,13 +115,13 @@ def predict_step(p: Prepared, dims) -> timing.Prediction | str:
                 " Atlas A3's (tools/launch/timing.py)")
     if not p.ok:
         return "no step-time prediction: a preflight check failed"
-    return timing.predict(timing.run_from_config(p.recipe.cfg), dims, reference_runs.fit())
+    return timing.predict(timing.run_from_config(p.recipe), dims, reference_runs.fit())
 
 
 def predict_variant(recipe: config.Recipe, what_if: tuple[str, ...], dims, device_gb: float) -> timing.Prediction | str:
     """The prediction with the --what-if overrides on top, when that variant passes preflight's arithmetic."""
-    variant = config.load(recipe.path, (*recipe.overrides, *what_if)).cfg
-    checks, _ = preflight.run(layout.from_config(variant), dims, device_gb)
+    variant = config.load(recipe.path, (*recipe.overrides, *what_if))
+    checks, _ = preflight.run(variant.layout, dims, device_gb)
     failed = next((c for c in checks if not c.ok), None)
     if failed is not None:
         return f"no prediction, the variant fails preflight: {failed.message()}"
@@ -132,7 +131,7 @@ def predict_variant(recipe: config.Recipe, what_if: tuple[str, ...], dims, devic
 def checkpoint_dir(p: Prepared) -> Path:
     """Where verl saves (trainer.default_local_dir): <recipe.checkpoints.dir>/<run id>, a directory every node
     mounts (each rank writes its own shards), else <run dir>/checkpoints. Only --resume continues from it."""
-    root = config.recipe_settings(p.recipe.cfg).checkpoints.dir
+    root = p.recipe.settings.checkpoints.dir
     if root:
         return Path(str(root)).expanduser().absolute() / p.plan.run_id
     return p.plan.run_dir / CHECKPOINTS
@@ -145,7 +144,7 @@ def find_resume(p: Prepared) -> list[Path]:
     if saved_to != now:
         raise config.ConfigError(f"recipe.checkpoints.dir: the run saved to {saved_to}, this config would save to"
                                  f" {now}: set recipe.checkpoints.dir={saved_to.parent}")
-    p.resume, cut = resume.find(p.plan.run_dir, p.recipe.cfg, config.model_dims(p.recipe)[0])
+    p.resume, cut = resume.find(p.plan.run_dir, p.recipe, config.model_dims(p.recipe)[0])
     return cut
 
 
@@ -301,7 +300,7 @@ def failure(p: Prepared, fault: faults.Fault | None) -> str:
         what += f". {full}"
     if found is None:
         return (f"error: {what}. No complete checkpoint was saved (trainer.save_freq"
-                f" {config.value(p.recipe.cfg, 'trainer.save_freq')}): rerun from the start")
+                f" {p.plan.layout.checkpoints.save_freq}): rerun from the start")
     return (f"error: {what}. Last complete checkpoint: {found.describe()}. Continue the run with:\n"
             f"  {resume_command(p)}")
 

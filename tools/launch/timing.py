@@ -34,13 +34,10 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 import numpy as np
-from omegaconf import DictConfig
 
 from tools.launch import rollout_sim
-from tools.launch.config import recipe_settings, value, vllm_engine_settings
-from tools.launch.keys import R
+from tools.launch.config import Recipe
 from tools.launch.layout import DIES_PER_CARD, Layout
-from tools.launch.layout import from_config as layout_from_config
 from tools.launch.memory import (
     ADAM_BYTES,
     BF16,
@@ -146,24 +143,19 @@ class Run:
         return self.lay.sequences * (self.work.prompt_tokens + self.work.response_tokens)
 
 
-def options(cfg: DictConfig) -> Options:
-    engine = vllm_engine_settings(cfg)
-    t = engine.torchair
-    return Options(tensor_cache=bool(value(cfg, "actor_rollout_ref.tensor_cache.enable", False)),
-                   reshard_experts=str(value(cfg, R + "reshard.experts", "gather")),
-                   lifecycle=str(value(cfg, R + "lifecycle", "sleep")), torchair=t.enabled,
-                   multistream=t.enable_multistream_mla and t.enable_multistream_moe, kv_nz=t.enable_kv_nz,
-                   view_optimize=t.enable_view_optimize, graph_batch_sizes=t.graph_batch_sizes,
-                   dp_sync_on_device=engine.dp_sync_on_device,
-                   calculate_log_probs=bool(value(cfg, R + "calculate_log_probs", False)))
+def options(recipe: Recipe) -> Options:
+    t, r = recipe.engine.torchair, recipe.rollout
+    return Options(tensor_cache=r.tensor_cache, reshard_experts=r.reshard_experts, lifecycle=r.lifecycle,
+                   torchair=t.enabled, multistream=t.enable_multistream_mla and t.enable_multistream_moe,
+                   kv_nz=t.enable_kv_nz, view_optimize=t.enable_view_optimize, graph_batch_sizes=t.graph_batch_sizes,
+                   dp_sync_on_device=recipe.engine.dp_sync_on_device, calculate_log_probs=r.calculate_log_probs)
 
 
-def run_from_config(cfg: DictConfig) -> Run:
+def run_from_config(recipe: Recipe) -> Run:
     """The run a config describes; with ignore_eos every response is max_response_length long."""
-    lay = layout_from_config(cfg)
-    timing = recipe_settings(cfg).timing
-    response = lay.response_len if value(cfg, R + "ignore_eos", False) else float(timing.response_tokens)
-    return Run(lay, options(cfg), Workload(float(timing.prompt_tokens), response))
+    lay, timing = recipe.layout, recipe.settings.timing
+    response = lay.response_len if recipe.rollout.ignore_eos else float(timing.response_tokens)
+    return Run(lay, options(recipe), Workload(float(timing.prompt_tokens), response))
 
 
 # ---------------------------------------------------------------- the model's arithmetic
