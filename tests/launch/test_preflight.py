@@ -8,9 +8,10 @@ import json
 import pytest
 
 from tests.launch.conftest import CONFIGS, LEGACY_LAYOUT, write_dist_manifest, write_manifest
-from tools.launch import config, inputs, layout, memory, preflight
+from tools.launch import config, inputs, layout, preflight
 from tools.launch.keys import AM, RM, A, R
 from tools.model.dims import dims_from_config
+from tools.perf import memory
 
 
 def checks_for(name: str, *overrides: str, device_gb: float = 64.0) -> list[preflight.Check]:

@@ -16,7 +16,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tools.launch import (
-    checkpoint_cost,
     cluster,
     config,
     curves,
@@ -26,13 +25,12 @@ from tools.launch import (
     layout,
     plan,
     preflight,
-    reference_runs,
     resume,
     summary,
-    timing,
 )
-from tools.launch.memory import Estimate
 from tools.model.dims import dims_from_config
+from tools.perf import checkpoint_cost, reference_runs, timing
+from tools.perf.memory import Estimate
 
 EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
 TENSORBOARD = "tensorboard"  # <run dir>/tensorboard

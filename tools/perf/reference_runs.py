@@ -16,9 +16,10 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-from tools.launch import config, timing
+from tools.launch import config
 from tools.launch.keys import AM, A, R
 from tools.model.dims import Dims, dims_from_config
+from tools.perf import timing
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "deepseek_r1" / "configs"
 VLLM = R + "engine_kwargs.vllm.additional_config."
