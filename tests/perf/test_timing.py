@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from tests.launch.conftest import CONFIGS
-from tools.launch import cli, config, metrics
+from tools.launch import cli, config
 from tools.perf import memory, rollout_sim, timing
 from tools.perf import reference_runs as refs
+from tools.report import metrics
 
 # Tolerances, chosen and committed before the model computed any prediction of a held-out run (git history: this
 # file came in the commit before the first held-out result). The published figures themselves were known (they

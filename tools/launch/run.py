@@ -18,7 +18,6 @@ from omegaconf import OmegaConf
 from tools.launch import (
     cluster,
     config,
-    curves,
     env,
     faults,
     inputs,
@@ -26,11 +25,11 @@ from tools.launch import (
     plan,
     preflight,
     resume,
-    summary,
 )
 from tools.model.dims import dims_from_config
 from tools.perf import checkpoint_cost, reference_runs, timing
 from tools.perf.memory import Estimate
+from tools.report import curves, summary
 
 EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
 TENSORBOARD = "tensorboard"  # <run dir>/tensorboard
