@@ -81,7 +81,7 @@ def _rollout_checks(overrides=()):
 
 
 def test_the_rollout_expert_checks_follow_the_engine():
-    from tools.launch.smoke import ROLLOUTS
+    from tools.smoke.cli import ROLLOUTS
 
     vllm = _rollout_checks()  # cpu-tiny: vLLM's EP spans an instance's DP2 x TP1
     assert vllm["rollout EP spans an instance"].ok and "rollout holds every expert" not in vllm
