@@ -110,7 +110,7 @@ def predict_step(p: Prepared, dims) -> timing.Prediction | str:
     accelerator = p.plan.layout.accelerator
     if accelerator != "a3":
         return (f"no step-time prediction for launch.accelerator {accelerator}: the model's constants and fit are"
-                " Atlas A3's (tools/launch/timing.py)")
+                " Atlas A3's (tools/perf/timing.py)")
     if not p.ok:
         return "no step-time prediction: a preflight check failed"
     return timing.predict(timing.run_from_config(p.recipe.cfg), dims, reference_runs.fit())
@@ -186,7 +186,7 @@ def render_timing(p: Prepared) -> str:
     if not isinstance(p.timing, timing.Prediction):
         return p.timing or ""
     out = timing.render(p.timing, "step time (prediction, fitted on the reference's true-weight step;"
-                                  " tools/launch/timing.py):")
+                                  " tools/perf/timing.py):")
     if p.what_if:
         overrides, other = p.what_if
         title = f"what-if {' '.join(overrides)}:"
