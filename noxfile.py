@@ -94,9 +94,9 @@ def _forks_tested_on_cpu_but(absent: str) -> list[str]:
 @nox.session(python=False)
 def smoke(session: nox.Session) -> None:
     """The recipe end to end on CPU: the cpu stack (installed first, as for tests), then GRPO steps of the tiny
-    DeepSeek-V3 model; args go to `python -m tools.launch.smoke` (e.g. `nox -s smoke -- --steps 20`)."""
+    DeepSeek-V3 model; args go to `python -m tools.smoke` (e.g. `nox -s smoke -- --steps 20`)."""
     session.run(sys.executable, "-m", "tools.install", "--device", "cpu", "--venv", TEST_STACK, external=True)
-    session.run(f"{TEST_STACK}/bin/python", "-m", "tools.launch.smoke", *session.posargs, external=True)
+    session.run(f"{TEST_STACK}/bin/python", "-m", "tools.smoke", *session.posargs, external=True)
 
 
 @nox.session(python="3.11")

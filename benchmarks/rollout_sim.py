@@ -1,7 +1,7 @@
 """Rollout makespan across vLLM data-parallel engines, with and without rebalancing: a discrete-event
 simulation (no GPU) of the plan in verl/workers/rollout/rebalance/plan.py against the reference's rule.
-The simulator (engines, admission, lengths, pool, bound) is tools/launch/rollout_sim.py, which the step-time
-model of the launcher's preflight (tools/launch/timing.py) runs too; the policies are here.
+The simulator (engines, admission, lengths, pool, bound) is tools/perf/rollout_sim.py, which the step-time
+model of the launcher's preflight (tools/perf/timing.py) runs too; the policies are here.
 
 Model (all stated, none measured):
 * N engines step in lockstep (vLLM DP synchronises every step), so a step costs the slowest engine's:
@@ -58,7 +58,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.launch.rollout_sim import (  # noqa: E402  (the simulator itself, shared with tools/launch/timing.py)
+from tools.perf.rollout_sim import (  # noqa: E402  (the simulator itself, shared with tools/perf/timing.py)
     Rollout,
     Scenario,
     decode,

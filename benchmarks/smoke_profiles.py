@@ -1,6 +1,6 @@
 """The two CPU smoke profiles side by side on this machine: cpu-tiny (the A3 path: Megatron TP2 x PP2 on 4 ranks,
 TensorCache, directed weight sync into an HF engine per rank) and cpu-tiny-fsdp (FSDP on 2 ranks, verl's HF rollout),
-the same steps of the same data, run one after the other through `python -m tools.launch.smoke`.
+the same steps of the same data, run one after the other through `python -m tools.smoke`.
 
 Prints wall time and the mean phase times per step (the first step is left out of the means: it pays for start-up),
 and last the A3 path's step time over the FSDP profile's.
@@ -25,7 +25,7 @@ PHASES = ("step time (s)", "rollout time (s)", "ref time (s)", "update time (s)"
 
 def run(profile: str, steps: int, logs: Path) -> tuple[float, list[dict]]:
     started = time.time()
-    subprocess.run([sys.executable, "-m", "tools.launch.smoke", "--profile", profile, "--steps", str(steps),
+    subprocess.run([sys.executable, "-m", "tools.smoke", "--profile", profile, "--steps", str(steps),
                     "--logs", str(logs), "--run-id", profile], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return time.time() - started, json.loads((logs / profile / "summary.json").read_text())
 

@@ -1,4 +1,4 @@
-"""Step time of the A3 profiles as the launcher's model predicts it (tools/launch/timing.py): its constants, its
+"""Step time of the A3 profiles as the launcher's model predicts it (tools/perf/timing.py): its constants, its
 fit on the reference's true-weight step, its errors on the two held-out published runs, our profiles next to
 their physical limit, and what each of our changes is worth to a3-128-true-weight (reverted alone, or for the
 rebalancer, which the rollout does not call yet, switched on at its limit).
@@ -14,8 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.launch import config, timing  # noqa: E402
-from tools.launch import reference_runs as refs  # noqa: E402
+from tools.launch import config  # noqa: E402
+from tools.perf import reference_runs as refs  # noqa: E402
+from tools.perf import timing  # noqa: E402
 
 PROFILES = ("a3-128-true-weight", "a3-128-random-init")
 # (our change, the overrides that revert it on a3-128-true-weight, option changes that are not config keys)
@@ -46,7 +47,7 @@ def profile_run(name: str, overrides=(), **opts) -> timing.Run:
 
 def main() -> None:
     fit, dims = refs.fit(), refs.TRUE_WEIGHT.dims()
-    print("constants (tools/launch/timing.py):")
+    print("constants (tools/perf/timing.py):")
     for name, value, unit, source in timing.table(fit):
         print(f"  {name:<20} {value:10.4g} {unit:<14} {source}")
     print("\npublished vs predicted (s); fitted on the first run only:")

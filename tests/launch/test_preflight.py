@@ -9,8 +9,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.launch.conftest import CONFIGS, LEGACY_LAYOUT, write_dist_manifest, write_manifest
-from tools.launch import config, inputs, memory, preflight
+from tools.launch import config, inputs, preflight
 from tools.model.dims import dims_from_config
+from tools.perf import memory
 
 # key prefixes that keep the override tables short (the launcher itself names full keys: tools/launch/fields.py)
 A, AM = "actor_rollout_ref.actor.", "actor_rollout_ref.actor.megatron."

@@ -14,8 +14,9 @@ from omegaconf import OmegaConf
 
 from tests import stack
 from tests.launch.conftest import CONFIGS
-from tools.launch import cli, config, layout, reference_runs, rules, run
+from tools.launch import cli, config, layout, rules, run
 from tools.launch.fields import KEY
+from tools.perf import reference_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 A3 = CONFIGS / "a3-128-true-weight.yaml"

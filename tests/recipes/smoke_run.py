@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def smoke_command(profile: str, steps: int, work: Path, logs: Path, *overrides: str, run_id: str = "e2e") -> list[str]:
-    """`python -m tools.launch.smoke` as run `run_id` under `logs`, with free Ray head, dashboard, agent and metrics
+    """`python -m tools.smoke` as run `run_id` under `logs`, with free Ray head, dashboard, agent and metrics
     ports (should another Ray run on this machine); the launcher overrides come before the ports."""
     port, dash, agent, metrics = (free_port() for _ in range(4))
-    return [sys.executable, "-m", "tools.launch.smoke", "--profile", profile, "--steps", str(steps),
+    return [sys.executable, "-m", "tools.smoke", "--profile", profile, "--steps", str(steps),
             "--work", str(work), "--logs", str(logs), "--run-id", run_id, *overrides,
             f"launch.ray.port={port}", f"launch.ray.dashboard_port={dash}",
             f"launch.ray.extra_start_args=[--dashboard-agent-listen-port={agent},--metrics-export-port={metrics}]"]

@@ -33,7 +33,8 @@ from pathlib import Path
 import pytest
 
 from tests.recipes.smoke_run import ROOT, run_smoke, smoke_command
-from tools.launch import faults, resume, summary
+from tools.launch import faults, resume
+from tools.report import summary
 
 pytestmark = pytest.mark.slow
 STEPS = 3

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.recipes.smoke_run import ROOT, run_smoke
-from tools.launch import summary
+from tools.report import summary
 
 pytestmark = pytest.mark.slow
 STEPS, FLIPPED_STEPS = 20, 5  # the flipped run has unlearnt by its first validation after step 0 (0.098 -> 0.011)

@@ -74,7 +74,7 @@ def run(request, tmp_path_factory, smoke_work):
 
 
 def _scalars(run_dir: Path) -> dict[int, dict[str, float]]:
-    from tools.launch import summary
+    from tools.report import summary
 
     return {s.step: s.values for s in summary.read_steps(run_dir / "tensorboard")}
 

@@ -141,7 +141,7 @@ class RecipeCheckpoints:
 
 @dataclass
 class RecipeTiming:
-    # The mean lengths the step-time prediction assumes (tools/launch/timing.py); with rollout.ignore_eos every
+    # The mean lengths the step-time prediction assumes (tools/perf/timing.py); with rollout.ignore_eos every
     # response is max_response_length. Defaults: the reference's true-weight step 2 on deepscaler.
     prompt_tokens: float = 77.8
     response_tokens: float = 1576.6

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from tools.launch.checkpoint_cost import Checkpoints
 from tools.launch.config import INSTALL, ConfigError, RecipeSettings, as_object, recipe_settings, value
 from tools.launch.fields import KEY
 from tools.model.parallel import ParallelLayout
@@ -19,6 +18,26 @@ from tools.model.parallel import ParallelLayout
 DEVICE_MEMORY_GB = {"a3": 64.0, "h200": 141.0}
 RAY_RESOURCE = {"a3": "NPU", "h200": "GPU", "cpu": None}
 DIES_PER_CARD = {"a3": 2, "h200": 1, "cpu": 1}
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """A run's checkpoint settings (recipe.checkpoints and verl's trainer keys), read once by layout.from_config."""
+
+    save_freq: int  # trainer.save_freq: steps between saves; <= 0: no saves
+    keep: int | None  # trainer.max_actor_ckpt_to_keep: the newest K kept; None (or <= 0): every one
+    dir: str | None  # recipe.checkpoints.dir: a directory every node mounts; None: <run dir>/checkpoints
+    write_gb_per_s: float  # recipe.checkpoints.write_gb_per_s
+    step_s: float | None  # recipe.checkpoints.step_s: the step time the cadence was chosen for
+    contents: tuple[str, ...]  # actor_rollout_ref.actor.checkpoint.contents
+
+    @property
+    def saves(self) -> bool:
+        return self.save_freq > 0
+
+    @property
+    def bounded(self) -> bool:
+        return self.keep is not None and self.keep > 0
 
 
 @dataclass(frozen=True)

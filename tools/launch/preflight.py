@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from tools.launch.fields import KEY
 from tools.launch.layout import Layout
-from tools.launch.memory import Estimate, estimate
 from tools.model.dims import Dims
+from tools.perf.memory import Estimate, estimate
 
 
 @dataclass(frozen=True)

@@ -17,23 +17,20 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tools.launch import (
-    checkpoint_cost,
     cluster,
     config,
-    curves,
     env,
     faults,
     inputs,
     layout,
     plan,
     preflight,
-    reference_runs,
     resume,
-    summary,
-    timing,
 )
-from tools.launch.memory import Estimate
 from tools.model.dims import dims_from_config
+from tools.perf import checkpoint_cost, reference_runs, timing
+from tools.perf.memory import Estimate
+from tools.report import curves, summary
 
 EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
 TENSORBOARD = "tensorboard"  # <run dir>/tensorboard
@@ -112,7 +109,7 @@ def predict_step(p: Prepared, dims) -> timing.Prediction | str:
     accelerator = p.plan.layout.accelerator
     if accelerator != "a3":
         return (f"no step-time prediction for launch.accelerator {accelerator}: the model's constants and fit are"
-                " Atlas A3's (tools/launch/timing.py)")
+                " Atlas A3's (tools/perf/timing.py)")
     if not p.ok:
         return "no step-time prediction: a preflight check failed"
     return timing.predict(timing.run_from_config(p.recipe), dims, reference_runs.fit())
@@ -188,7 +185,7 @@ def render_timing(p: Prepared) -> str:
     if not isinstance(p.timing, timing.Prediction):
         return p.timing or ""
     out = timing.render(p.timing, "step time (prediction, fitted on the reference's true-weight step;"
-                                  " tools/launch/timing.py):")
+                                  " tools/perf/timing.py):")
     if p.what_if:
         overrides, other = p.what_if
         title = f"what-if {' '.join(overrides)}:"

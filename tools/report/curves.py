@@ -3,7 +3,7 @@
 Every run saves its own (`logs/<run>/curves.png`, by the launcher at the end). Several runs (seeds of one setting)
 can be drawn together:
 
-  python -m tools.launch.curves logs/cpu-tiny-fsdp-s0 logs/cpu-tiny-fsdp-s1 logs/cpu-tiny-fsdp-s2 \\
+  python -m tools.report.curves logs/cpu-tiny-fsdp-s0 logs/cpu-tiny-fsdp-s1 logs/cpu-tiny-fsdp-s2 \\
       --out docs/smoke-curves.png --title "nox -s smoke -- --profile fsdp --steps 30"
 """
 
@@ -14,7 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-from tools.launch import summary
+from tools.report import summary
 
 REWARD, VAL = "reward mean", summary.VAL_ACCURACY
 
@@ -70,7 +70,7 @@ def read_run(run_dir: Path) -> list[dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.launch.curves", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.report.curves", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders (logs/<run>)")
     p.add_argument("--out", type=Path, help="the PNG to write (default: RUN_DIR/curves.png for one run)")

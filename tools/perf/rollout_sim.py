@@ -1,6 +1,6 @@
 """Decode steps of a rollout over lockstep vLLM data-parallel engines: a discrete-event simulation (no device).
 
-Shared by benchmarks/rollout_sim.py (rebalancing policies against a bound) and tools/launch/timing.py (the
+Shared by benchmarks/rollout_sim.py (rebalancing policies against a bound) and tools/perf/timing.py (the
 rollout phase of the step-time model). The model, all of it stated, none of it measured:
 * N engines step in lockstep (vLLM DP synchronises every step), so a step costs the slowest engine's. The cost is
   a function of the largest captured-graph bucket in use (an engine running b sequences runs the smallest bucket

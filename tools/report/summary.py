@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.launch import metrics
+from tools.report import metrics
 
 REWARD = "critic/score/mean"  # verl's mean sequence score (our reward: 1 correct, 0 otherwise)
 # verl's validation (trainer.val_before_train, trainer.test_freq): the mean score of val_kwargs.n samples per held-out
@@ -53,7 +53,7 @@ def read_steps(tb_dir: Path) -> list[Step]:
 
 
 def throughput(step: Step, samples: int, cards: int, dies_per_card: int) -> list[tuple[str, float]]:
-    """The A3 run's metric lines (tools/launch/metrics.py) for one step; empty when verl logged no timings."""
+    """The A3 run's metric lines (tools/report/metrics.py) for one step; empty when verl logged no timings."""
     try:
         stats = metrics.from_verl(step.values, samples)
     except KeyError:

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.launch.conftest import CONFIGS
-from tools.launch import checkpoint_cost, config, env, inputs, preflight, run
+from tools.launch import config, env, inputs, preflight, run
 from tools.model.dims import dims_from_config
+from tools.perf import checkpoint_cost
 
 A3 = CONFIGS / "a3-128-true-weight.yaml"
 FACTS = env.NodeFacts("10.0.0.1", "enp189s0f0", "10.0.0.1", True, "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2")

@@ -2,10 +2,10 @@
 
 A calibrated model, not a measurement. Every number it uses is the config's, the model's (Dims), or a field of
 Constants (a datasheet or the reference's write-up, each with its source) or Fit (fitted on one published run, the
-reference's true-weight step: calibrate()); tests/launch/test_timing.py predicts two other published runs without
+reference's true-weight step: calibrate()); tests/perf/test_timing.py predicts two other published runs without
 refitting. Phases, as the reference breaks a step down (cann-recipes-train docs/llm_rl/deepseek_rl_train_optimization.md
 §1.4, "the reference's doc" below):
-- rollout: prefill, then the decode steps of the long tail (tools/launch/rollout_sim.py over the response-length
+- rollout: prefill, then the decode steps of the long tail (tools/perf/rollout_sim.py over the response-length
   distribution, per engine batch). A decode step reads the die's weights and the live KV cache from HBM, at an
   efficiency fitted once; vLLM's DP syncs and the published per-step cost of each graph feature left off come on
   top; without TorchAir graphs a step costs the published factor more.
@@ -35,10 +35,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from tools.launch import rollout_sim
 from tools.launch.config import Recipe
 from tools.launch.layout import DIES_PER_CARD, Layout
-from tools.launch.memory import (
+from tools.model.dims import Dims
+from tools.model.parallel import ParallelLayout
+from tools.perf import rollout_sim
+from tools.perf.memory import (
     ADAM_BYTES,
     BF16,
     FP32,
@@ -47,8 +49,6 @@ from tools.launch.memory import (
     stage_params,
     vllm_weight_params,
 )
-from tools.model.dims import Dims
-from tools.model.parallel import ParallelLayout
 
 GB = 1e9
 INT64 = 8  # verl's token ids, masks and positions

@@ -1,4 +1,4 @@
-"""The step-time model (tools/launch/timing.py): fitted on the reference's true-weight step, it must reproduce that
+"""The step-time model (tools/perf/timing.py): fitted on the reference's true-weight step, it must reproduce that
 step, predict two other published runs within tolerances declared below, stay above its own physical limit, move
 as the physics says under a what-if, and be printed by the dry run."""
 
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from tests.launch.conftest import CONFIGS
-from tools.launch import cli, config, memory, metrics, rollout_sim, timing
-from tools.launch import reference_runs as refs
+from tools.launch import cli, config
+from tools.perf import memory, rollout_sim, timing
+from tools.perf import reference_runs as refs
+from tools.report import metrics
 
 # Tolerances, chosen and committed before the model computed any prediction of a held-out run (git history: this
 # file came in the commit before the first held-out result). The published figures themselves were known (they

@@ -2,7 +2,7 @@
 (timing.py) is fitted on (the first) and checked against (the other two), each as one of our profiles with the
 overrides that make it that run, the mean lengths it measured and the phase times it published.
 
-Sources, re-derived from each (TPS per card = (prompt + response tokens) / step / 128 cards, metrics.py):
+Sources, re-derived from each (TPS per card = (prompt + response tokens) / step / 128 cards, tools/report/metrics.py):
 - the reference, true weights and random init: cann-recipes-train, llm_rl/deepseek/README.md and
   docs/llm_rl/deepseek_rl_train_optimization.md §1.4.1-1.4.2 (tables and footnotes [1], [2]);
   8192 x (77.8 + 1576.6) / 859.68 / 128 = 123.16; 8192 x (75 + 3039.8) / 796.8 / 128 = 250.2.
@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-from tools.launch import config, timing
+from tools.launch import config
 from tools.model.dims import Dims, dims_from_config
+from tools.perf import timing
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "deepseek_r1" / "configs"
 # vLLM-Ascend's options (config.ADDITIONAL_CONFIG) and its TorchAir graph options, for the overrides below

@@ -1,4 +1,4 @@
-"""The end-of-run summary (tools/launch/summary.py) and the CPU-rank sizes the smoke profiles plan."""
+"""The end-of-run summary (tools/report/summary.py) and the CPU-rank sizes the smoke profiles plan."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 import math
 
 from tests.launch.conftest import CONFIGS
-from tools.launch import config, plan, preflight, summary
+from tools.launch import config, plan, preflight
 from tools.model.dims import dims_from_config
+from tools.report import summary
 
 
 def _write_events(tb_dir, steps: dict[int, dict[str, float]]) -> None:
@@ -80,7 +81,7 @@ def _rollout_checks(overrides=()):
 
 
 def test_the_rollout_expert_checks_follow_the_engine():
-    from tools.launch.smoke import ROLLOUTS
+    from tools.smoke.cli import ROLLOUTS
 
     vllm = _rollout_checks()  # cpu-tiny: vLLM's EP spans an instance's DP2 x TP1
     assert vllm["rollout EP spans an instance"].ok and "rollout holds every expert" not in vllm
@@ -113,7 +114,7 @@ def test_validation_accuracy_averages_data_sources_and_ignores_other_validation_
 
 
 def test_curves_are_drawn_from_the_events_of_one_or_several_runs(tmp_path, capsys):
-    from tools.launch import curves
+    from tools.report import curves
 
     for seed, val in ((0, 0.5), (1, 0.625)):
         _write_events(tmp_path / f"run{seed}" / "tensorboard",
@@ -132,6 +133,6 @@ def test_curves_are_drawn_from_the_events_of_one_or_several_runs(tmp_path, capsy
 
 
 def test_the_y_axis_ends_where_a_small_rise_stays_visible():
-    from tools.launch import curves
+    from tools.report import curves
 
     assert [curves.ylim_top(p) for p in (0.0, 0.19, 0.25, 0.26, 0.5, 0.7, 1.0)] == [0.25, 0.25, 0.25, 0.5, 0.5, 1, 1]

@@ -1,13 +1,13 @@
 """The recipe end to end on this machine's CPUs: tiny model, synthetic task, warm start, a few GRPO steps.
 
-  python -m tools.launch.smoke                      # 3 steps of the A3 path at small scale (what `nox -s smoke` runs)
-  python -m tools.launch.smoke --steps 20           # GRPO learns: reward and held-out accuracy rise (curves.png)
-  python -m tools.launch.smoke --seed 1             # another task draw, held-out split and warm start
-  python -m tools.launch.smoke --cold               # GRPO from the random model: the loop turns, nothing is learnt
-  python -m tools.launch.smoke --profile fsdp       # the FSDP + HF-rollout profile instead
-  python -m tools.launch.smoke --random-init        # Megatron's own random init: no checkpoint is loaded
-  python -m tools.launch.smoke --rollout hf         # verl's HF engine in the Megatron worker instead of vLLM
-  python -m tools.launch.smoke --dry-run            # prepare nothing, print the launcher's plan
+  python -m tools.smoke                             # 3 steps of the A3 path at small scale (what `nox -s smoke` runs)
+  python -m tools.smoke --steps 20                  # GRPO learns: reward and held-out accuracy rise (curves.png)
+  python -m tools.smoke --seed 1                    # another task draw, held-out split and warm start
+  python -m tools.smoke --cold                      # GRPO from the random model: the loop turns, nothing is learnt
+  python -m tools.smoke --profile fsdp              # the FSDP + HF-rollout profile instead
+  python -m tools.smoke --random-init               # Megatron's own random init: no checkpoint is loaded
+  python -m tools.smoke --rollout hf                # verl's HF engine in the Megatron worker instead of vLLM
+  python -m tools.smoke --dry-run                   # prepare nothing, print the launcher's plan
 
 Profiles (--profile):
   megatron  recipes/deepseek_r1/configs/cpu-tiny.yaml (default): a3-128-true-weight.yaml with only sizes, device
@@ -93,7 +93,7 @@ def destinations(work: Path, seed: int, warm: bool) -> tuple[Path, Path, Path]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.launch.smoke", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.smoke", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="launcher (OmegaConf) overrides")
     p.add_argument("--profile", choices=tuple(PROFILES), default="megatron",

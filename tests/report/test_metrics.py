@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.launch import metrics
+from tools.report import metrics
 
 TRUE_WEIGHT = metrics.StepStats(8192, 77.8, 1576.6, 859.68, {"rollout": 373.65, "old_log_prob": 0, "ref": 144.5,
                                                                "reward": 5.0, "adv": 0.21, "update": 319.3,

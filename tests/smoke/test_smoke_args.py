@@ -1,4 +1,4 @@
-"""tools/launch/smoke.py: which profile it runs, the inputs it prepares (once, via .partial folders) and the
+"""tools/smoke/cli.py: which profile it runs, the inputs it prepares (once, via .partial folders) and the
 launcher arguments it builds from them. Not a run: tests/recipes/test_smoke.py (slow) does that."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tools.launch import config, env, run, smoke
+from tools.launch import config, env, run
+from tools.smoke import cli as smoke
 
 MCORE_KEY = "recipe.weights.mcore_checkpoint"
 

@@ -16,33 +16,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tools.launch.layout import Checkpoints
 from tools.model.dims import Dims
 
 GB, TB = 1e9, 1e12
-# by verl's checkpoint.contents entry; "optimizer" is memory.ADAM_BYTES (not imported: memory -> layout -> here)
+# by verl's checkpoint.contents entry; "optimizer" is memory.ADAM_BYTES
 BYTES_PER_PARAM = {"model": 2, "optimizer": 12, "hf_model": 2}
 EXTRA_BYTES = 0.1 * GB  # RNG states of every rank, HF config + tokenizer (~10 MB), data.pt: an upper bound
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")  # verl 0.4.0's actor checkpoint.contents
-
-
-@dataclass(frozen=True)
-class Checkpoints:
-    """A run's checkpoint settings (recipe.checkpoints and verl's trainer keys), read once by layout.from_config."""
-
-    save_freq: int  # trainer.save_freq: steps between saves; <= 0: no saves
-    keep: int | None  # trainer.max_actor_ckpt_to_keep: the newest K kept; None (or <= 0): every one
-    dir: str | None  # recipe.checkpoints.dir: a directory every node mounts; None: <run dir>/checkpoints
-    write_gb_per_s: float  # recipe.checkpoints.write_gb_per_s
-    step_s: float | None  # recipe.checkpoints.step_s: the step time the cadence was chosen for
-    contents: tuple[str, ...]  # actor_rollout_ref.actor.checkpoint.contents
-
-    @property
-    def saves(self) -> bool:
-        return self.save_freq > 0
-
-    @property
-    def bounded(self) -> bool:
-        return self.keep is not None and self.keep > 0
 
 
 def checkpoint_bytes(dims: Dims, contents: tuple[str, ...] = DEFAULT_CONTENTS) -> float:
