@@ -56,7 +56,10 @@ def _ray_processes(since: float = 0.0) -> dict[int, list[str]]:
 # gives 1e-4: tests/verl/test_megatron_matches_hf.py); before the grouped-routing fix the two models routed
 # differently, 0.06. The max is one token of a peaked distribution, where bf16 moves a small probability's log by
 # a lot: 0.57-2.47 from the warm start, so its bound only refuses wild values; the mean is what discriminates.
-LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 0.02, 5.0
+# A step has some 170 sampled tokens, so one such token moves the mean by up to 0.015: a run on megatron-core
+# 0.12.3 gave 0.0129, then 0.0226 at a step whose max was 2.29. The bound, 0.03, still refuses the 0.06 of a
+# routing mismatch.
+LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 0.03, 5.0
 
 
 @pytest.fixture(scope="module", params=["megatron", "fsdp"])
