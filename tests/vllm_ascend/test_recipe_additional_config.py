@@ -60,6 +60,9 @@ def build_rollout(name: str, overrides: list[str]) -> dict:
         def sleep(self, level):
             calls[-1]["sleep(level)"] = level
 
+        def generate(self, *args, **kwargs):  # vLLMRollout binds it (rebalance.rollout_generate); never called here
+            raise AssertionError("the engine is only built in this test")
+
     with mock.patch.object(spmd, "LLM", EngineRecorder):
         spmd.vLLMRollout(model_path="/models/dsv3", config=rollout_cfg, tokenizer=SimpleNamespace(pad_token_id=0),
                          model_hf_config=SimpleNamespace(**dims), device_mesh=None, trust_remote_code=True)
