@@ -1,5 +1,6 @@
 """The cpu wheelhouse for real: fill it from the package index, then install from it into a fresh venv
-of a fresh checkout with no index at all, and import every fork.
+of a fresh checkout with no index at all, import every fork, read what stack.json records, and run the
+install again to find every step up to date.
 
 What a new user of an air-gapped cluster does. The vLLM wheel in it is the CPU-kernel build, taken
 from the wheel cache (built there first, about 5 minutes, when the cache lacks it); the offline
@@ -77,3 +78,16 @@ def test_cpu_wheelhouse_installs_every_fork_with_no_index(tmp_path, monkeypatch,
                           env={"PATH": "/usr/bin:/bin", "VLLM_PLUGINS": "none", "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-4:] == ["0.9.1+cpu", "0.4.0", "0.12.3", "cpu"]
+
+    # what the install records, and a second run that finds everything done (the checks of the former
+    # test_real_install, whose index install is the one `nox -s tests` makes on a fresh machine before this runs)
+    stack = json.loads((venv / "stack.json").read_text())
+    for name in ("verl", "vllm", "megatron"):
+        fork = stack["forks"][name]
+        assert fork["commit"] and fork["branch_tip"] and fork["series_sha256"], (name, fork)
+    assert stack["packages"]["transformers"] == "4.51.1"
+    capsys.readouterr()
+    assert install_main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    for step in ("venv", "torch", "megatron", "vllm", "verl", "requirements", "smoke"):
+        assert f"{step}: up to date" in out, out[-3000:]

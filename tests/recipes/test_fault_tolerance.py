@@ -32,14 +32,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.smoke_run import ROOT, run_smoke, smoke_command
+from tests.recipes.conftest import CHECKPOINTED, MEGATRON_STEPS
+from tests.recipes.smoke_run import ROOT, smoke_command
 from tools.launch import faults, resume
 from tools.report import summary
 
 pytestmark = pytest.mark.slow
-STEPS = 3
-# no validation (it would only lengthen the runs); a checkpoint after every step
-OVERRIDES = ("trainer.save_freq=1", "trainer.val_before_train=false", "trainer.test_freq=-1")
+STEPS = MEGATRON_STEPS
+# the straight run's sizes (conftest.megatron_run): no validation, a checkpoint after every step; the config's own
+# reward, which scores as the straight run's counting one does
+OVERRIDES = CHECKPOINTED
 # every logged loss, reward, advantage, length and KL of a step; timings, memory and sync byte counts vary
 COMPARED = ("actor/", "critic/", "response_length/", "prompt_length/", "training/rollout_logprob_diff")
 PEERS = r"( \(then rank\(s\) [\d, ]+\))?: stopping the job"  # the ranks whose collectives failed after it
@@ -110,13 +112,14 @@ def scalars(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("faults") / "logs"
+def logs(fault_logs):
+    return fault_logs
 
 
 @pytest.fixture(scope="module")
-def straight(logs, smoke_work):
-    run = run_smoke("megatron", STEPS, smoke_work, logs, *OVERRIDES, run_id="straight")
+def straight(megatron_run):
+    """The run made straight through, which tests/recipes/test_smoke.py checks too."""
+    run = megatron_run
     assert run["proc"].returncode == 0, run["proc"].stdout[-3000:] + run["proc"].stderr[-3000:]
     return run
 

@@ -1,10 +1,11 @@
-"""The recipe end to end on CPU: two GRPO steps of each smoke profile through the launcher, as `nox -s smoke` runs
-them (verl's trainer from our fork, a local Ray cluster started and stopped by the launcher):
+"""The recipe end to end on CPU: a few GRPO steps of each smoke profile through the launcher, as `nox -s smoke` runs
+them (verl's trainer from our fork, a local Ray cluster started and stopped by the launcher), 4 prompts x 4 samples:
 - megatron (cpu-tiny.yaml, the default): the A3 path at small scale. Megatron actor and shared ref at TP2 x PP2 with
   the experts over TP (moe_tp_extend_ep), loaded from the torch_dist conversion, the TensorCache flow, the on-policy
   skip, and vLLM 0.9.1's CPU engine built from our fork (verl's SPMD vLLMRollout, two instances of DP2 x TP1 with
   expert parallel) fed by the directed TP/PP and expert weight sync through the manual rollout lifecycle, which frees
-  and re-creates the KV cache every step.
+  and re-creates the KV cache every step. Its 3 steps, checkpointed after each, are the fault chain's straight run
+  (conftest.megatron_run), made once for both.
 - fsdp (cpu-tiny-fsdp.yaml): FSDP on gloo and verl's HF rollout.
 """
 
@@ -17,26 +18,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.recipes.smoke_run import ROOT, run_smoke
+from tests.recipes.conftest import PROMPTS, SMALL, N, counting_reward
+from tests.recipes.smoke_run import run_smoke
 from tools.launch import cluster
 
 pytestmark = pytest.mark.slow
-STEPS, PROMPTS, N = 2, 4, 4
+FSDP_STEPS = 2
 RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "runtime_env", "ray::")
-
-# verl's custom_reward_function: our strict reward, plus one line per call so the test can count the samples
-COUNTING_REWARD = """
-import json, sys
-sys.path.insert(0, {root!r})
-from tools.reward.verl_entry import compute_score as strict
-
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    score = strict(data_source, solution_str, ground_truth, extra_info)
-    with open({calls!r}, "a") as f:
-        f.write(json.dumps({{"source": data_source, "truth": ground_truth, "score": score}}) + "\\n")
-    return score
-"""
 
 
 def _ray_processes(since: float = 0.0) -> dict[int, list[str]]:
@@ -64,16 +52,14 @@ LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 0.03, 5.0
 
 @pytest.fixture(scope="module", params=["megatron", "fsdp"])
 def run(request, tmp_path_factory, smoke_work):
-    profile = request.param
-    tmp = tmp_path_factory.mktemp(f"smoke-{profile}")
-    calls = tmp / "reward_calls.jsonl"
-    reward = tmp / "counting_reward.py"
-    reward.write_text(COUNTING_REWARD.format(root=str(ROOT), calls=str(calls)))
-    overrides = (f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
-                 f"actor_rollout_ref.rollout.n={N}", f"custom_reward_function.path={reward}",
-                 # the machinery per step: no validation (each would roll out 4 samples of all 66 held-out problems)
-                 "trainer.val_before_train=false", "trainer.test_freq=-1")
-    return {**run_smoke(profile, STEPS, smoke_work, tmp / "logs", *overrides), "calls": calls}
+    """megatron: the fault chain's straight run (conftest.megatron_run: 3 steps, a checkpoint after each); fsdp: 2
+    steps at the same sizes, no checkpoint."""
+    if request.param == "megatron":
+        return request.getfixturevalue("megatron_run")
+    tmp = tmp_path_factory.mktemp("smoke-fsdp")
+    override, calls = counting_reward(tmp)
+    run = run_smoke("fsdp", FSDP_STEPS, smoke_work, tmp / "logs", *SMALL, override)
+    return {**run, "calls": calls, "steps": FSDP_STEPS, "run_id": "e2e"}
 
 
 def _scalars(run_dir: Path) -> dict[int, dict[str, float]]:
@@ -85,10 +71,10 @@ def _scalars(run_dir: Path) -> dict[int, dict[str, float]]:
 def test_the_run_succeeds_and_prints_the_summary(run):
     proc = run["proc"]
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    assert "job e2e: SUCCEEDED" in proc.stdout
-    assert f"run summary: {STEPS} step(s)" in proc.stdout and "tensorboard --logdir" in proc.stdout
+    assert f"job {run['run_id']}: SUCCEEDED" in proc.stdout
+    assert f"run summary: {run['steps']} step(s)" in proc.stdout and "tensorboard --logdir" in proc.stdout
     rows = json.loads((run["run_dir"] / "summary.json").read_text())
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, run["steps"] + 1))
     for r in rows:
         assert r["system TPS per card"] > 0 and r["system TPS per die"] > 0, r
         assert 0 <= r["reward mean"] <= 1
@@ -96,7 +82,7 @@ def test_the_run_succeeds_and_prints_the_summary(run):
 
 def test_every_phase_ran_and_every_metric_is_finite(run):
     steps = _scalars(run["run_dir"])
-    assert sorted(steps) == list(range(1, STEPS + 1))
+    assert sorted(steps) == list(range(1, run["steps"] + 1))
     for step, values in steps.items():
         for phase in ("gen", "ref", "reward", "adv", "update_actor", "step"):
             assert values.get(f"timing_s/{phase}", 0) > 0, (step, phase)
@@ -108,7 +94,7 @@ def test_every_phase_ran_and_every_metric_is_finite(run):
 
 def test_the_reward_function_saw_every_sample(run):
     lines = [json.loads(x) for x in run["calls"].read_text().splitlines()]
-    assert len(lines) == STEPS * PROMPTS * N
+    assert len(lines) == run["steps"] * PROMPTS * N
     assert {x["source"] for x in lines} == {"synthetic-arith"}
     assert all(x["score"] in (0.0, 1.0) for x in lines)
     per_step = _scalars(run["run_dir"])

@@ -141,6 +141,20 @@ def test_a_changed_model_task_warm_start_or_seed_gets_folders_of_its_own(monkeyp
     assert all(after[k] != before[k] for k in before)
 
 
+def test_changed_input_code_gets_folders_of_its_own(tmp_path, monkeypatch):
+    """A kept --work folder (the recipe tests keep theirs under ~/.cache) is never served by an older converter."""
+    code = tmp_path / "tools/weights"
+    code.mkdir(parents=True)
+    (code / "dist.py").write_text("VERSION = 1\n")
+    monkeypatch.setattr(smoke, "ROOT", tmp_path)
+    monkeypatch.setattr(smoke, "INPUT_CODE", (code,))
+    before = smoke.folders(seed=0)
+    assert smoke.folders(seed=0) == before
+    (code / "dist.py").write_text("VERSION = 2\n")
+    after = smoke.folders(seed=0)
+    assert all(after[k] != before[k] for k in before)
+
+
 def test_rollout_is_for_the_megatron_profile(capsys):
     assert smoke.main(["--profile", "fsdp", "--rollout", "hf", "--dry-run"]) == 2
     assert "--rollout applies to --profile megatron" in capsys.readouterr().err

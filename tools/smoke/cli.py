@@ -72,16 +72,31 @@ def warm_start_settings(seed: int):
     return Settings(**{**WARM_START, "seed": seed})
 
 
+# The code that makes the inputs: a change to it makes them anew, so a --work folder kept across checkouts (the
+# tests keep theirs under ~/.cache) never serves inputs an older tool made.
+INPUT_CODE = (ROOT / "tools/weights", ROOT / "tools/data")
+
+
+def input_code_digest() -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(f for d in INPUT_CODE for f in d.rglob("*.py")):
+        h.update(f"{path.relative_to(ROOT)}\0".encode() + path.read_bytes())
+    return h.hexdigest()
+
+
 def folders(seed: int) -> dict[str, str]:
-    """Folder names under --work. Each carries a digest of what makes it, so a changed tiny model, task or warm start
-    (and everything made from it) is made anew instead of a stale one being reused."""
+    """Folder names under --work. Each carries a digest of what makes it (settings and code), so a changed tiny model,
+    task, warm start or converter (and everything made from it) is made anew instead of a stale one being reused."""
     from dataclasses import asdict
 
     from tools.weights.tiny import TINY_CONFIG
 
-    model = f"tiny-{_digest(TINY_CONFIG)}"
-    data = f"arith-{_digest(ARITH_ARGS, seed)}"
-    warm = f"warm-{_digest(TINY_CONFIG, ARITH_ARGS, asdict(warm_start_settings(seed)))}"
+    code = input_code_digest()
+    model = f"tiny-{_digest(TINY_CONFIG, code)}"
+    data = f"arith-{_digest(ARITH_ARGS, seed, code)}"
+    warm = f"warm-{_digest(TINY_CONFIG, ARITH_ARGS, asdict(warm_start_settings(seed)), code)}"
     return {"model": model, "data": data, "warm": warm, "mcore": f"{warm}-mcore", "cold-mcore": f"{model}-mcore"}
 
 
