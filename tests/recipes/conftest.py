@@ -39,10 +39,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def smoke_work():
     """The smoke inputs, kept across sessions like the vLLM wheel: their folder names carry a digest of the settings
     and code that make them (tools.smoke.folders), so only a change makes them again (4 min on 2 AVX2 cores).
-    $RL_RECIPE_SMOKE_CACHE moves it."""
-    cache = os.environ.get("RL_RECIPE_SMOKE_CACHE") or Path.home() / ".cache/rl-recipe/smoke"
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    return Path(cache)
+    $RL_RECIPE_SMOKE_CACHE moves it; else it lies beside the wheel cache."""
+    from tools.install.wheels import cache_base
+
+    cache = Path(os.environ.get("RL_RECIPE_SMOKE_CACHE") or cache_base() / "smoke")
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
 
 
 def counting_reward(tmp: Path) -> tuple[str, Path]:

@@ -24,13 +24,19 @@ from tools.install import system
 CACHE_ENV = "RL_RECIPE_WHEEL_CACHE"
 
 
+def cache_base(env: dict[str, str] | None = None) -> Path:
+    """$XDG_CACHE_HOME/rl-recipe, else ~/.cache/rl-recipe: where the project keeps what it makes across clones."""
+    env = dict(os.environ if env is None else env)
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "rl-recipe"
+
+
 def default_cache(env: dict[str, str] | None = None) -> Path:
     """$RL_RECIPE_WHEEL_CACHE, else $XDG_CACHE_HOME/rl-recipe/wheels, else ~/.cache/rl-recipe/wheels."""
     env = dict(os.environ if env is None else env)
     if env.get(CACHE_ENV):
         return Path(env[CACHE_ENV]).expanduser().resolve()
-    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "rl-recipe" / "wheels"
+    return cache_base(env) / "wheels"
 
 
 @dataclass(frozen=True)
