@@ -245,6 +245,24 @@ def test_a_carried_patch_that_no_longer_applies_stops_like_a_conflict(proj, caps
     assert "-    print('hello')" in flag.read_text()
 
 
+def test_a_carried_patch_applied_by_a_3way_merge_is_written_anew(proj, capsys):
+    """A patch reworked after later ones were carried moves their context; the replay still merges them, and the
+    port then keeps the copy that applies as it stands, so that `check` can replay the port."""
+    p = proj
+    assert p.cli("rebase", "demo", "--onto", "v2") == 3
+    assert p.cli("rebase", "demo", "--abort") == 0
+    layer = _port_dir(p) / f"{LAYER}.patch"
+    layer.write_text((p.patches / f"{LAYER}.patch").read_text())  # the old series' copy: v1's context
+    assert p.cli("check", "demo") == 1, "the stale copy does not apply onto v2 as it stands"
+    capsys.readouterr()
+    assert p.cli("rebase", "demo", "--onto", "v2") == 3
+    assert f"[3/7] {LAYER}: 3-way, ported (from the port)" in capsys.readouterr().out
+    scratch = git(p.fork, "rev-list", "--reverse", f"{p.upstream.v2}..HEAD").split()
+    assert layer.read_text() == git_mod.format_patch(p.fork, scratch[1])
+    assert p.cli("rebase", "demo", "--abort") == 0
+    assert p.cli("check", "demo") == 0
+
+
 def test_port_toml_is_checked_on_read(proj, capsys):
     p = proj
     assert p.cli("rebase", "demo", "--onto", "v2") == 3

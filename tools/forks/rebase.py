@@ -184,6 +184,8 @@ def _replay(root: Path, fork: Fork, repo: Path, data: dict, port: Port, first: i
             say(f"[{i + 1}/{total}] {entry.name}: {entry.verdict}")
         elif entry.verdict in port_mod.CARRIED:
             how = _attempt(root, fork, repo, data, port, i, port.dir / entry.file, say)
+            if how == MERGED:  # its context moved (a patch before it was reworked): the port keeps what applies
+                port_mod.write_patch(port, entry, git.format_patch(repo, git.out(repo, "rev-parse", "HEAD")))
             say(f"[{i + 1}/{total}] {entry.name}: {how}, {entry.verdict} (from the port)")
         else:
             _take(root, fork, repo, data, port, i, say)
