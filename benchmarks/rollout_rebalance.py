@@ -20,37 +20,26 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-
 from tests.gloo import run_processes  # noqa: E402
+from tests.vllm_cpu import engine_rank, tiny_engine  # noqa: E402
 from tools.weights.tiny_llama import make_tiny_llama  # noqa: E402
 
 WORLD = 2
 
 
 def _worker(rank, port, path, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), VLLM_PLUGINS="none", VLLM_USE_V1="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                      VLLM_CPU_KVCACHE_SPACE="1")
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with engine_rank(rank, port, WORLD):
         from verl.workers.rollout.rebalance import loop
         from verl.workers.rollout.rebalance.settings import RebalanceSettings
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
-        llm = LLM(model=path, dtype="bfloat16", distributed_executor_backend="external_launcher",
-                  tensor_parallel_size=1, enforce_eager=True, max_model_len=128, max_num_seqs=args.max_seqs,
-                  max_num_batched_tokens=128, seed=0, enable_prefix_caching=False, block_size=16)
+        llm = tiny_engine(path, max_len=128, max_seqs=args.max_seqs)
         count, length = (args.long_prompts, args.long) if rank == 0 else (args.short_prompts, args.short)
         prompts = [[3 + rank, 10 + p, 20 + 2 * p, 40 + rank + p] for p in range(count)]
         params = SamplingParams(temperature=0.0, max_tokens=length, logprobs=0, ignore_eos=True)
@@ -62,8 +51,6 @@ def _worker(rank, port, path, args, results):
             out[name] = {"tokens": [s.token_ids for s in samples],
                          "figures": {k: v for k, v in vars(figures).items() if k != "checks"}}
         results[rank] = out
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:

@@ -19,13 +19,11 @@ figures count the failed moves (the log says which).
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from tests.gloo import run_processes
 from tests.verl.conftest import require
+from tests.vllm_cpu import engine_rank, tiny_engine
 from tools.weights.tiny_llama import make_tiny_llama
 
 require("vllm.v1.worker.cpu_worker")
@@ -72,20 +70,11 @@ def fail_every_receive(vllm_engine) -> None:
 
 
 def _worker(rank, port, path, runs, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), VLLM_PLUGINS="none", VLLM_USE_V1="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                      VLLM_CPU_KVCACHE_SPACE="1")
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with engine_rank(rank, port, WORLD):
         from verl.workers.rollout.rebalance import vllm_engine
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
-        llm = LLM(model=path, dtype="bfloat16", distributed_executor_backend="external_launcher",
-                  tensor_parallel_size=1, enforce_eager=True, max_model_len=64, max_num_seqs=MAX_SEQS,
-                  max_num_batched_tokens=64, seed=0, enable_prefix_caching=False, block_size=16)
+        llm = tiny_engine(path, max_len=64, max_seqs=MAX_SEQS)
         prompts, lengths = prompts_of(rank)
         params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, ignore_eos=True) for n in lengths]
         pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
@@ -112,8 +101,6 @@ def _worker(rank, port, path, runs, results):
                          "figures": {k: v for k, v in vars(figures).items() if k != "checks"},
                          "checks": [vars(c) for c in figures.checks], "free_blocks": pool.get_num_free_blocks()}
         results[rank] = out
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
