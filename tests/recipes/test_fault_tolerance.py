@@ -112,11 +112,6 @@ def scalars(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def logs(fault_logs):
-    return fault_logs
-
-
-@pytest.fixture(scope="module")
 def straight(megatron_run):
     """The run made straight through, which tests/recipes/test_smoke.py checks too."""
     run = megatron_run
@@ -125,10 +120,10 @@ def straight(megatron_run):
 
 
 @pytest.fixture(scope="module")
-def cut_save(logs, smoke_work, straight):
+def cut_save(fault_logs, smoke_work, straight):
     """Rank 2 stopped while the checkpoint of step 2 is written, then killed."""
-    cmd = smoke_command("megatron", STEPS, smoke_work, logs, *OVERRIDES, run_id="cut")
-    ckpt = logs / "cut" / "checkpoints"
+    cmd = smoke_command("megatron", STEPS, smoke_work, fault_logs, *OVERRIDES, run_id="cut")
+    ckpt = fault_logs / "cut" / "checkpoints"
 
     def stop_then_kill(pids):
         os.kill(pids[2], signal.SIGSTOP)
@@ -147,10 +142,10 @@ def resume_command(run: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def killed_mid_step(logs, cut_save):
+def killed_mid_step(fault_logs, cut_save):
     """The cut run resumed with the printed command; rank 1 killed once step 2 is logged, i.e. in step 3."""
     cmd = resume_command(cut_save)
-    log = logs / "cut" / "trainer.log"
+    log = fault_logs / "cut" / "trainer.log"
     since = log.stat().st_size
 
     def step_2_logged():
@@ -164,26 +159,26 @@ def killed_mid_step(logs, cut_save):
 
 
 @pytest.fixture(scope="module")
-def finished(logs, killed_mid_step):
+def finished(fault_logs, killed_mid_step):
     cmd = resume_command(killed_mid_step)
     return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
 
 
-def test_a_rank_killed_during_a_save_leaves_the_last_complete_checkpoint(cut_save, logs):
+def test_a_rank_killed_during_a_save_leaves_the_last_complete_checkpoint(cut_save, fault_logs):
     out, injected = cut_save["out"], cut_save["injected"]
     assert injected and injected["tracked_while_stopped"] == 1, "the kill must land inside the save of step 2"
     assert cut_save["rc"] == 2, out[-3000:]
     seen = re.search(r"fault: rank 2 \(pid (\d+) on \S+\) died during save_checkpoint" + PEERS, out)
     assert seen and int(seen.group(1)) == injected["pid"], out[-3000:]
     assert "Last complete checkpoint: step 1 (" in out
-    ckpt = logs / "cut" / "checkpoints"
+    ckpt = fault_logs / "cut" / "checkpoints"
     assert resume.tracked_step(ckpt) == 1 and (ckpt / "global_step_2").is_dir(), "the cut save stays, untracked"
-    assert "processes of the run left after Ray stopped: 0" in out and left_of(logs / "cut") == []
+    assert "processes of the run left after Ray stopped: 0" in out and left_of(fault_logs / "cut") == []
 
 
-def test_resume_sets_the_cut_save_aside_and_names_a_rank_killed_mid_step(killed_mid_step, logs):
+def test_resume_sets_the_cut_save_aside_and_names_a_rank_killed_mid_step(killed_mid_step, fault_logs):
     out = killed_mid_step["out"]
-    ckpt = logs / "cut" / "checkpoints"
+    ckpt = fault_logs / "cut" / "checkpoints"
     assert "resume: continues cut from step 1 (" in out
     assert f"note: global_step_2.partial: a save that did not complete, set aside for inspection ({ckpt}" in out
     assert (ckpt / "global_step_2.partial").is_dir()
@@ -191,14 +186,14 @@ def test_resume_sets_the_cut_save_aside_and_names_a_rank_killed_mid_step(killed_
     pid = killed_mid_step["injected"]["pid"]
     assert re.search(rf"fault: rank 1 \(pid {pid} on \S+\) died during generate_sequences(_cached)?" + PEERS, out)
     assert "Last complete checkpoint: step 2 (" in out and resume.tracked_step(ckpt) == 2
-    assert "processes of the run left after Ray stopped: 0" in out and left_of(logs / "cut") == []
+    assert "processes of the run left after Ray stopped: 0" in out and left_of(fault_logs / "cut") == []
 
 
-def test_the_resumed_run_finishes_and_equals_the_straight_run(finished, straight, logs):
+def test_the_resumed_run_finishes_and_equals_the_straight_run(finished, straight, fault_logs):
     out = finished["out"]
     assert finished["rc"] == 0, out[-3000:]
     assert "resume: continues cut from step 2 (" in out
-    assert_same_steps(logs / "cut", straight["run_dir"])
+    assert_same_steps(fault_logs / "cut", straight["run_dir"])
 
 
 def assert_same_steps(resumed: Path, straight: Path) -> None:
@@ -239,18 +234,18 @@ def small_disk(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def disk_full(logs, smoke_work, small_disk, straight):
-    cmd = smoke_command("megatron", STEPS, smoke_work, logs, *OVERRIDES, f"recipe.checkpoints.dir={small_disk}",
+def disk_full(fault_logs, smoke_work, small_disk, straight):
+    cmd = smoke_command("megatron", STEPS, smoke_work, fault_logs, *OVERRIDES, f"recipe.checkpoints.dir={small_disk}",
                         "trainer.max_actor_ckpt_to_keep=1", run_id="disk")
     return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
 
 
 @pytest.fixture(scope="module")
-def head_killed(logs, small_disk, disk_full):
+def head_killed(fault_logs, small_disk, disk_full):
     """The disk made larger, the printed command run, and its launcher SIGKILLed once step 2 is logged."""
     subprocess.run(["mount", "-o", f"remount,size={BIGGER_MB}m", str(small_disk)], check=True)
     cmd = resume_command(disk_full)
-    log = logs / "disk" / "trainer.log"
+    log = fault_logs / "disk" / "trainer.log"
     since = log.stat().st_size
     launcher: dict = {}
 
@@ -261,7 +256,7 @@ def head_killed(logs, small_disk, disk_full):
     run = run_with_fault(cmd, dashboard_of(cmd), lambda: "step:2 -" in log.read_text()[since:], kill_the_launcher,
                          on_start=lambda proc: launcher.update(pid=proc.pid))
     deadline = time.monotonic() + HEAD_GONE_S
-    while (left := left_of(logs / "disk")) and time.monotonic() < deadline:
+    while (left := left_of(fault_logs / "disk")) and time.monotonic() < deadline:
         time.sleep(0.5)
     run["left"], run["gone_after"] = left, time.time() - run["injected"]["killed_at"]
     faults.stop_processes(left)  # should the test fail, the next one must not find them
@@ -286,7 +281,7 @@ def test_a_full_disk_fails_the_run_with_the_error_and_leaves_the_last_checkpoint
 
 
 @pytest.mark.long
-def test_the_run_ends_by_itself_when_the_head_launcher_is_killed(head_killed, logs):
+def test_the_run_ends_by_itself_when_the_head_launcher_is_killed(head_killed, fault_logs):
     out = head_killed["out"]
     assert "resume: continues disk from step 1 (" in out and "set aside for inspection" in out
     assert head_killed["rc"] == -signal.SIGKILL
@@ -296,13 +291,13 @@ def test_the_run_ends_by_itself_when_the_head_launcher_is_killed(head_killed, lo
 
 @pytest.mark.long
 def test_the_run_resumed_after_the_disk_and_head_faults_equals_the_straight_run(disk_finished, head_killed, straight,
-                                                                               logs):
+                                                                               fault_logs):
     out, tracked = disk_finished["out"], head_killed["tracked"]
     assert disk_finished["rc"] == 0, out[-3000:]
     assert tracked in (2, 3) and f"resume: continues disk from step {tracked} (" in out, out[-3000:]
     # resumed from the last step's checkpoint, the trainer must end without a step past the run's end
     assert ("Resumed at step 3 of 3: the run is complete" in out) == (tracked == 3), out[-3000:]
-    assert_same_steps(logs / "disk", straight["run_dir"])
+    assert_same_steps(fault_logs / "disk", straight["run_dir"])
 
 
 def worker_node(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -326,12 +321,12 @@ def with_worker_node(cmd: list[str], log: Path, nodes: list) -> None:
 
 
 @pytest.fixture(scope="module")
-def node_lost(logs, smoke_work, straight):
+def node_lost(fault_logs, smoke_work, straight):
     """Two nodes; the worker node's every process SIGKILLed once step 1 is logged (mid-step 2)."""
-    cmd = smoke_command("megatron", STEPS, smoke_work, logs, *OVERRIDES, *TWO_NODES, run_id="node")
+    cmd = smoke_command("megatron", STEPS, smoke_work, fault_logs, *OVERRIDES, *TWO_NODES, run_id="node")
     nodes: list[subprocess.Popen] = []
-    with_worker_node(cmd, logs / "worker-node.log", nodes)
-    log = logs / "node" / "trainer.log"
+    with_worker_node(cmd, fault_logs / "worker-node.log", nodes)
+    log = fault_logs / "node" / "trainer.log"
 
     def kill_the_node(pids):
         ip, ranks = ranks_off_the_head(dashboard_of(cmd))
@@ -357,10 +352,10 @@ def ranks_off_the_head(dashboard: str) -> tuple[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def node_finished(logs, node_lost):
+def node_finished(fault_logs, node_lost):
     cmd = resume_command(node_lost)
     nodes: list[subprocess.Popen] = []
-    with_worker_node(cmd, logs / "worker-node.log", nodes)
+    with_worker_node(cmd, fault_logs / "worker-node.log", nodes)
     try:
         return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
     finally:
@@ -370,7 +365,7 @@ def node_finished(logs, node_lost):
 
 
 @pytest.mark.long
-def test_a_lost_worker_node_is_named_with_its_ranks(node_lost, logs):
+def test_a_lost_worker_node_is_named_with_its_ranks(node_lost, fault_logs):
     out, injected = node_lost["out"], node_lost["injected"]
     assert injected and len(injected["ranks"]) == 2, "the worker node holds two ranks"
     assert node_lost["rc"] == 2, out[-3000:]
@@ -382,11 +377,11 @@ def test_a_lost_worker_node_is_named_with_its_ranks(node_lost, logs):
     named = next(t for t, line in node_lost["lines"] if line.startswith(f"fault: {node}")) - injected["killed_at"]
     print(f"lost node: its ranks seen dead {seen:.1f} s, the node named {named:.1f} s after its processes were killed")
     assert seen < 15 and named < 40, "a watch period; Ray's health check (period 3 s x 5 misses) plus the polls"
-    assert "processes of the run left after Ray stopped: 0" in out and left_of(logs / "node") == []
+    assert "processes of the run left after Ray stopped: 0" in out and left_of(fault_logs / "node") == []
 
 
 @pytest.mark.long
-def test_the_run_resumed_after_a_lost_node_equals_the_straight_run(node_finished, straight, logs):
+def test_the_run_resumed_after_a_lost_node_equals_the_straight_run(node_finished, straight, fault_logs):
     assert node_finished["rc"] == 0, node_finished["out"][-3000:]
     assert "resume: continues node from step 1 (" in node_finished["out"]
-    assert_same_steps(logs / "node", straight["run_dir"])
+    assert_same_steps(fault_logs / "node", straight["run_dir"])
