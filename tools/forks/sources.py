@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tools.forks import git
 from tools.forks.manifest import Fork, PyPISource
+from tools.install.wheels import cache_base
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 PYPI_IDENTITY = {
@@ -46,8 +47,8 @@ class SourceError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "rl-recipe" / "dists"
+    """The downloaded distributions, `dists` in the project's cache beside the wheel cache (wheels.cache_base)."""
+    return cache_base() / "dists"
 
 
 # Build outputs of an editable install (egg-info, compiled extensions, CMake trees). Listed in the
