@@ -146,3 +146,24 @@ def test_a_bad_what_if_is_refused_naming_its_key(tmp_path, capsys):
     rc = dry_run(str(A3), "--what-if", "actor_rollout_ref.rollout.temperature=-1", tmp_path=tmp_path)
     assert rc == run.EXIT_ERROR
     assert "actor_rollout_ref.rollout.temperature is -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("composed", [True, False])
+def test_verls_config_is_the_composed_one_where_verl_composes_it(tmp_path, composed):
+    """verl >= 0.5 builds its trainer config from Hydra defaults, so the flat file lacks most keys; the launcher
+    checks and merges against `_generated_<name>`, the composition upstream keeps in step, where verl has one."""
+    configs = tmp_path / "third_party/verl/verl/trainer/config"
+    configs.mkdir(parents=True)
+    (configs / "ppo_megatron_trainer.yaml").write_text("defaults:\n  - actor@actor_rollout_ref.actor: megatron_actor\n")
+    if composed:
+        (configs / "_generated_ppo_megatron_trainer.yaml").write_text("actor_rollout_ref:\n  actor:\n    ppo_epochs: 1\n")
+    base = config.verl_base(tmp_path)
+    assert (OmegaConf.select(base, "actor_rollout_ref.actor.ppo_epochs") == 1) is composed
+    assert ("defaults" in base) is not composed
+
+
+def test_a_key_verl_leaves_mandatory_is_a_key():
+    """verl 0.6 declares rollout.name as `???` (the user must set it): the recipe's value is for a known key."""
+    base = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "???", "engine_kwargs": {}}}})
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "engine_kwargs": {}, "nme": "hf"}}})
+    assert config.unknown_keys(cfg, base) == ["actor_rollout_ref.rollout.nme"]

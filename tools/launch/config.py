@@ -473,16 +473,20 @@ def verl_base(root: Path = ROOT, strategy: str = "megatron") -> DictConfig:
     if strategy not in VERL_CONFIGS:
         raise ConfigError(f"actor_rollout_ref.actor.strategy is {strategy!r}; use one of {', '.join(VERL_CONFIGS)}")
     rel = VERL_CONFIGS[strategy]
-    candidates = [root / "third_party" / "verl" / rel]
+    trees = [root / "third_party" / "verl"]
     try:
         spec = importlib.util.find_spec("verl")
         if spec and spec.origin:
-            candidates.append(Path(spec.origin).parent.parent / rel)
+            trees.append(Path(spec.origin).parent.parent)
     except (ImportError, ValueError):
         pass
+    candidates = [tree / rel for tree in trees]
     for path in candidates:
         if path.is_file():
-            return OmegaConf.load(path)
+            # verl >= 0.5 composes its trainer config from Hydra defaults; `_generated_<name>` is that composition
+            # (upstream's CI keeps it equal), the keys and defaults main_ppo gets
+            composed = path.with_name(f"_generated_{path.name}")
+            return OmegaConf.load(composed if composed.is_file() else path)
     raise ConfigError(f"verl's {rel} not found (tried {', '.join(map(str, candidates))});"
                       " run `python -m tools.forks sync verl`")
 
@@ -525,7 +529,7 @@ def unknown_keys(cfg: DictConfig, base: DictConfig) -> list[str]:
         if key.startswith(TRANSFORMER_OVERRIDES):
             if key.split(".")[4] not in transformer_config_fields():
                 out.append(key)
-        elif OmegaConf.select(base, key, default="<absent>") == "<absent>" and not _is_dict_in(base, key):
+        elif not _has_key(base, key):
             out.append(key)
     return out
 
@@ -582,11 +586,12 @@ def check_series(cfg: DictConfig, base: DictConfig) -> None:
         raise ConfigError(f"{problems[0].field}: {problems[0].message}{more}")
 
 
-def _is_dict_in(base: DictConfig, key: str) -> bool:
-    """An empty dict in the recipe (e.g. `model_config: {}`) is fine where verl has that block."""
-    parent, _, _ = key.rpartition(".")
-    node = OmegaConf.select(base, key, default=None) if parent else None
-    return isinstance(node, DictConfig)
+def _has_key(base: DictConfig, key: str) -> bool:
+    """Whether verl's config has the key: with a value, as a block (a recipe's empty `model_config: {}`), or as
+    a mandatory value verl leaves to the user (`???`, e.g. verl 0.6's rollout.name)."""
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(base, parent, default=None) if parent else base
+    return isinstance(node, DictConfig) and name in node.keys()  # `in node` is false for a `???` value
 
 
 def missing_keys(cfg: DictConfig) -> list[str]:
