@@ -125,6 +125,35 @@ def test_the_series_is_written_from_the_port(proj, capsys):
         assert (p.patches / f"{name}.patch").read_bytes() == text
 
 
+def test_the_new_pins_pypi_source_is_written_at_the_finish(proj, capsys):
+    """A [pypi] table in port.toml is the new pin's distribution: the finish writes it into forks.toml, so the
+    commit that moves the pin also moves the fallback source."""
+    p = proj
+    assert p.cli("rebase", "demo", "--onto", "v2", "--drop", BATCH, "--why", "v2's batch 32 is enough") == 3
+    port_toml = _port_dir(p) / "port.toml"
+    text = port_toml.read_text()
+    port_toml.write_text(text.replace("\n[[patch]]", '\n[pypi]\nrequirement = "demo==2.0"\nfile = "demo-2.0.tar.gz"\n'
+                                      f'sha256 = "{"ab" * 32}"\nnote = "no docs"\n\n[[patch]]', 1))
+    capsys.readouterr()
+    assert p.cli("rebase", "demo", "--drop", LR, "--obsolete", "--why", "the lr followed our batch") == 0
+    assert "note:" not in capsys.readouterr().out
+    pypi = tomllib.loads((p.root / "third_party/forks.toml").read_text())["forks"]["demo"]["pypi"]
+    assert pypi == {"requirement": "demo==2.0", "file": "demo-2.0.tar.gz", "sha256": "ab" * 32, "note": "no docs"}
+
+
+def test_a_bad_pypi_table_is_named(proj, tmp_path):
+    port_dir = tmp_path / "port"
+    port_dir.mkdir()
+    sha = "0" * 40
+    top = f'fork = "demo"\nfrom_ref = "v1"\nfrom = "{sha}"\nto_ref = "v2"\nto = "{sha}"\n'
+    (port_dir / "port.toml").write_text(top + '[pypi]\nrequirement = "demo-2.0"\nfile = "f"\nsha256 = "x"\n')
+    with pytest.raises(port_mod.PortError, match=r"pypi needs requirement = \"name==version\""):
+        port_mod.load(port_dir)
+    (port_dir / "port.toml").write_text(top + '[pypi]\nrequirement = "demo==2.0"\nfiel = "f"\n')
+    with pytest.raises(port_mod.PortError, match=r"pypi\.fiel: unknown key"):
+        port_mod.load(port_dir)
+
+
 def test_drop_the_stopped_patch_a_later_one_or_one_up_front(proj, capsys):
     p = proj
     assert p.cli("rebase", "demo", "--onto", "v2", "--drop", LR, "--obsolete", "--why", "lr follows the batch") == 3

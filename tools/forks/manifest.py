@@ -184,8 +184,9 @@ def _fork(name: str, t: dict) -> Fork:
     )
 
 
-def set_keys(path: Path, fork: str, values: dict[str, str]) -> None:
-    """Set string keys of the `[forks.<fork>]` table in place, keeping every other byte."""
+def set_keys(path: Path, fork: str, values: dict[str, str | dict[str, str]]) -> None:
+    """Set keys of the `[forks.<fork>]` table in place, keeping every other byte: strings, or inline tables of
+    strings (`pypi`)."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     header = f"[forks.{fork}]"
     try:
@@ -199,7 +200,14 @@ def set_keys(path: Path, fork: str, values: dict[str, str]) -> None:
     for i in range(start + 1, end):
         key = lines[i].split("=", 1)[0].strip()
         if key in remaining and "=" in lines[i]:
-            lines[i] = f"{key} = {json.dumps(remaining.pop(key))}\n"
+            lines[i] = f"{key} = {_toml_value(remaining.pop(key))}\n"
     last = max((i for i in range(start, end) if lines[i].strip()), default=start)
-    lines[last + 1 : last + 1] = [f"{k} = {json.dumps(v)}\n" for k, v in remaining.items()]
+    lines[last + 1 : last + 1] = [f"{k} = {_toml_value(v)}\n" for k, v in remaining.items()]
     path.write_text("".join(lines), encoding="utf-8")
+
+
+def _toml_value(value: str | dict[str, str]) -> str:
+    """A TOML string (JSON's escapes are TOML's), or an inline table of them."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)

@@ -54,6 +54,7 @@ _TOP = ("fork", "from_ref", "from", "to_ref", "to")
 _OPTIONAL_TOP = ("to_note",)  # what `to` is where it is no upstream commit (a PyPI-derived tree)
 _PATCH_KEYS = ("name", "verdict", "why")
 _SESSION_KEYS = ("started", "elapsed", "patches")
+_PYPI_KEYS = ("requirement", "file", "sha256", "note")  # forks.toml's `pypi` for the new pin (manifest.PyPISource)
 
 
 class PortError(ValueError):
@@ -94,6 +95,7 @@ class Port:
     entries: list[Entry] = field(default_factory=list)
     sessions: list[Session] = field(default_factory=list)
     to_note: str = ""
+    pypi: dict[str, str] = field(default_factory=dict)  # the new pin's PyPI source; the finish writes it
 
     def entry(self, name: str) -> Entry:
         """The entry named `name` (with or without .patch); PortError naming the choices otherwise."""
@@ -146,7 +148,7 @@ def load(directory: Path) -> Port:
                         ) from None
     except tomllib.TOMLDecodeError as exc:
         raise PortError(f"{path}: not valid TOML: {exc}") from None
-    _unknown(path, "", data, (*_TOP, *_OPTIONAL_TOP, "patch", "session"))
+    _unknown(path, "", data, (*_TOP, *_OPTIONAL_TOP, "patch", "session", "pypi"))
     top = {key: _string(path, key, data.get(key)) for key in _TOP}
     for key in ("from", "to"):
         if not _SHA.match(top[key]):
@@ -161,7 +163,23 @@ def load(directory: Path) -> Port:
     sessions = [_session(path, i, t) for i, t in enumerate(_tables(path, data, "session"))]
     to_note = _string(path, "to_note", data["to_note"]) if "to_note" in data else ""
     return Port(directory, top["fork"], top["from_ref"], top["from"], top["to_ref"], top["to"], entries, sessions,
-                to_note)
+                to_note, _pypi(path, data.get("pypi")))
+
+
+def _pypi(path: Path, table) -> dict[str, str]:
+    """The optional [pypi] table: the distribution equal to the tree at `to`, as forks.toml's `pypi` names it."""
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise PortError(f"{path}: pypi must be a table ([pypi] with {', '.join(_PYPI_KEYS)})")
+    _unknown(path, "pypi.", table, _PYPI_KEYS)
+    values = {key: _string(path, f"pypi.{key}", table.get(key)) for key in _PYPI_KEYS[:3]}
+    if "==" not in values["requirement"] or not re.fullmatch(r"[0-9a-f]{64}", values["sha256"]):
+        raise PortError(f"{path}: pypi needs requirement = \"name==version\" and the file's 64-hex sha256;"
+                        f" got {values['requirement']!r}, {values['sha256']!r}")
+    if "note" in table:
+        values["note"] = _string(path, "pypi.note", table["note"])
+    return values
 
 
 def _unknown(path: Path, where: str, table: dict, known: tuple[str, ...]) -> None:
@@ -230,6 +248,8 @@ def save(port: Port) -> None:
         *(f"{key} = {_quote(value)}" for key, value in zip(_TOP, _top_values(port), strict=True)),
         *([f"to_note = {_quote(port.to_note)}"] if port.to_note else []),
     ]
+    if port.pypi:
+        lines += ["", "[pypi]", *(f"{key} = {_quote(value)}" for key, value in port.pypi.items())]
     for entry in port.entries:
         lines += ["", "[[patch]]", f"name = {_quote(entry.name)}", f"verdict = {_quote(entry.verdict)}"]
         lines += [f"why = {_quote(entry.why)}"] if entry.why else []

@@ -460,7 +460,8 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
     range_diff = git.out(repo, "range-diff", "--no-color", f"{port.from_}..{data['old_tip']}",
                          f"{port.to}..{new_tip}")
     # Move the pin first: export reads the base from forks.toml.
-    manifest_mod.set_keys(root / manifest_mod.MANIFEST, fork.name, {"ref": port.to_ref, "commit": port.to})
+    pin = {"ref": port.to_ref, "commit": port.to, **({"pypi": port.pypi} if port.pypi else {})}
+    manifest_mod.set_keys(root / manifest_mod.MANIFEST, fork.name, pin)
     moved = manifest_mod.load(root).forks[fork.name]
     ops.set_gitlink(root, fork, port.to)
     ops.export(root, moved)
@@ -472,9 +473,10 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
     kept, dropped = len(port.carried()), len(port.entries) - len(port.carried())
     summary = (f"rebased {fork.name} onto {port.to_ref} ({port.to[:12]}): kept {kept}, dropped {dropped},"
                f" changed {port.count(port_mod.REWORKED)}; report {report.relative_to(root)}")
-    if fork.pypi:
+    if fork.pypi and not port.pypi:
         summary += (f"\nnote: forks.{fork.name}.pypi still names {fork.pypi.requirement}, the old pin's"
-                    " distribution: set requirement, file and sha256 for the new release, or remove it")
+                    " distribution: set requirement, file and sha256 for the new release, or remove it (a [pypi]"
+                    f" table in {port_mod.PORT_FILE} does it at the finish)")
     return summary
 
 
