@@ -141,6 +141,38 @@ def test_the_new_pins_pypi_source_is_written_at_the_finish(proj, capsys):
     assert pypi == {"requirement": "demo==2.0", "file": "demo-2.0.tar.gz", "sha256": "ab" * 32, "note": "no docs"}
 
 
+def test_a_patch_the_new_base_needs_is_added_to_the_port(proj, capsys):
+    """A fix only the new base needs has no patch in the old series: verdict `added`, placed after the entry it
+    follows, carried by every replay and written into the new series at the finish."""
+    p = proj
+    assert p.cli("rebase", "demo", "--onto", "v2") == 3
+    assert p.cli("rebase", "demo", "--abort") == 0
+    git(p.fork, "checkout", "-q", "--detach", p.upstream.v2)
+    for name in (FLAG, LAYER):
+        git(p.fork, "am", "-q", str(_port_dir(p) / f"{name}.patch"))
+    (p.fork / "extra.py").write_text("EXTRA = 2\n")
+    git(p.fork, "add", "extra.py")
+    git(p.fork, "commit", "-q", "-m", "Add an extra module\n\nv2 needs it.\n\nReason: v2\nUpstream-Status: Pending\n"
+        "Signed-off-by: Dev <dev@example.invalid>")
+    extra = "add-an-extra-module"
+    (_port_dir(p) / f"{extra}.patch").write_text(git_mod.format_patch(p.fork, "HEAD"))
+    git(p.fork, "checkout", "-q", "-")
+    port_toml = _port_dir(p) / "port.toml"
+    at = port_toml.read_text().index(f'name = "{BATCH}"')
+    entry = f'name = "{extra}"\nverdict = "added"\nwhy = "v2 needs it"\n\n[[patch]]\n'
+    port_toml.write_text(port_toml.read_text()[:at] + entry + port_toml.read_text()[at:])
+    series = _port_dir(p) / "series"
+    series.write_text(series.read_text() + f"{extra}.patch\n")
+    assert p.cli("check", "demo") == 0, "the added patch is linted and replayed with the port"
+    capsys.readouterr()
+    assert p.cli("rebase", "demo", "--onto", "v2", "--drop", BATCH, "--why", "v2's batch 32 is enough") == 3
+    assert f"[4/8] {extra}: clean, added (from the port)" in capsys.readouterr().out
+    assert p.cli("rebase", "demo", "--drop", LR, "--obsolete", "--why", "the lr followed our batch") == 0
+    assert "kept 3, dropped 4, changed 0, added 1" in capsys.readouterr().out
+    assert (p.patches / "series").read_text().splitlines()[-2:] == [f"{extra}.patch", f"{SEED}.patch"]
+    assert f"| 4 | {extra}.patch | added | v2 needs it |" in (p.patches / "REBASE-v1-v2.md").read_text()
+
+
 def test_a_bad_pypi_table_is_named(proj, tmp_path):
     port_dir = tmp_path / "port"
     port_dir.mkdir()
@@ -338,14 +370,14 @@ def test_check_lints_every_port_and_replays_it_onto_to(proj, capsys):
     assert p.cli("check", "demo") == 1
     out = capsys.readouterr().out
     assert f"{LAYER}.patch: missing; verdict ported needs the ported patch" in out
-    assert "stray.patch: no [[patch]] with verdict ported or reworked names it" in out
+    assert "stray.patch: no [[patch]] with verdict ported, reworked or added names it" in out
     (_port_dir(p) / "stray.patch").rename(_port_dir(p) / f"{LAYER}.patch")
     (_port_dir(p) / "series").write_text(f"{FLAG}.patch\n{LAYER}.patch\n")  # a plain list does
     assert p.cli("check", "demo") == 0
     capsys.readouterr()
     (_port_dir(p) / "series").write_text(f"{LAYER}.patch\n{FLAG}.patch\n")
     assert p.cli("check", "demo") == 1
-    assert (f"series: lists ['{LAYER}.patch', '{FLAG}.patch'], but the ported and reworked patches are"
+    assert (f"series: lists ['{LAYER}.patch', '{FLAG}.patch'], but the ported, reworked and added patches are"
             f" ['{FLAG}.patch', '{LAYER}.patch'] in this order") in capsys.readouterr().out
 
 

@@ -44,10 +44,11 @@ from tools.forks.series import Series
 PORTS = Path("third_party/patches/ports")
 PORT_FILE = "port.toml"
 PENDING, PORTED, REWORKED, DROPPED, OBSOLETE = "pending", "ported", "reworked", "dropped", "obsolete"
-VERDICTS = (PENDING, PORTED, REWORKED, DROPPED, OBSOLETE)
-CARRIED = (PORTED, REWORKED)  # a patch file in the port
+ADDED = "added"  # new on the new base, with no patch of the old series behind it
+VERDICTS = (PENDING, PORTED, REWORKED, DROPPED, OBSOLETE, ADDED)
+CARRIED = (PORTED, REWORKED, ADDED)  # a patch file in the port
 SKIPPED = (DROPPED, OBSOLETE)
-NEEDS_WHY = (REWORKED, DROPPED, OBSOLETE)
+NEEDS_WHY = (REWORKED, DROPPED, OBSOLETE, ADDED)
 PLACEHOLDER = "TODO: say what changed and why (rebase --continue --why, or write it here)"
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _TOP = ("fork", "from_ref", "from", "to_ref", "to")
@@ -296,10 +297,10 @@ def problems(port: Port, cwd: Path) -> list[str]:
               " verdict to pending to port it again)" for name in carried if not (port.dir / name).is_file()]
     series = Series(port.dir)
     strays = [n for n in series.files_on_disk() if n not in carried]
-    found += [f"{port.dir / name}: no [[patch]] with verdict ported or reworked names it; delete the file or fix"
-              " the verdict" for name in strays]
+    found += [f"{port.dir / name}: no [[patch]] with verdict ported, reworked or added names it; delete the file"
+              " or fix the verdict" for name in strays]
     if series.names() != carried:
-        found.append(f"{series.series_file}: lists {series.names() or 'nothing'}, but the ported and reworked"
-                     f" patches are {carried or 'none'} in this order; list exactly those")
+        found.append(f"{series.series_file}: lists {series.names() or 'nothing'}, but the ported, reworked and"
+                     f" added patches are {carried or 'none'} in this order; list exactly those")
     present = [series.dir / n for n in carried if (series.dir / n).is_file()]
     return found + series_mod.lint_patches(present, cwd)

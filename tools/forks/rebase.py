@@ -162,13 +162,18 @@ def _require_matches(port: Port, fork: Fork, st: ops.State, new_base: str) -> No
 
 def _follow_series(port: Port, old: list[str], say: Say) -> None:
     """Order the port's entries as the old series, new patches of the series (merged meanwhile) pending."""
-    gone = [e.name for e in port.entries if e.name not in old]
+    gone = [e.name for e in port.entries if e.name not in old and e.verdict != port_mod.ADDED]
     if gone:
         raise ops.ForkError(f"{port.dir / port_mod.PORT_FILE}: {', '.join(gone)} no longer in the {port.fork}"
                             " series; restore them there, or delete their [[patch]] tables (and files) here")
-    by_name = {e.name: e for e in port.entries}
+    by_name = {e.name: e for e in port.entries if e.verdict != port_mod.ADDED}
     added = [n for n in old if n not in by_name]
-    port.entries = [by_name.get(n) or Entry(n) for n in old]
+    ordered = [by_name.get(n) or Entry(n) for n in old]
+    for i, entry in enumerate(port.entries):  # the port's own patches stay after the entry they follow
+        if entry.verdict == port_mod.ADDED:
+            before = port.entries[i - 1].name if i else None
+            ordered.insert(next((k + 1 for k, e in enumerate(ordered) if e.name == before), 0), entry)
+    port.entries = ordered
     if added:
         say(f"{port.fork}: pending, new in the series since the port began: {', '.join(added)}")
 
@@ -470,9 +475,11 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
     report.write_text(_report(port, range_diff), encoding="utf-8")
     shutil.rmtree(port.dir)
     _state_path(repo).unlink(missing_ok=True)
-    kept, dropped = len(port.carried()), len(port.entries) - len(port.carried())
+    new = port.count(port_mod.ADDED)
+    kept, dropped = len(port.carried()) - new, len(port.entries) - len(port.carried())
     summary = (f"rebased {fork.name} onto {port.to_ref} ({port.to[:12]}): kept {kept}, dropped {dropped},"
-               f" changed {port.count(port_mod.REWORKED)}; report {report.relative_to(root)}")
+               f" changed {port.count(port_mod.REWORKED)}{f', added {new}' if new else ''};"
+               f" report {report.relative_to(root)}")
     if fork.pypi and not port.pypi:
         summary += (f"\nnote: forks.{fork.name}.pypi still names {fork.pypi.requirement}, the old pin's"
                     " distribution: set requirement, file and sha256 for the new release, or remove it (a [pypi]"
@@ -513,7 +520,8 @@ def _report(port: Port, range_diff: str) -> str:
           for i, e in enumerate(port.entries, 1)),
         "",
         "ported: the same changed lines (context may have moved). reworked: changed lines differ. dropped: upstream"
-        " has the equivalent. obsolete: nothing needs it any more.",
+        " has the equivalent. obsolete: nothing needs it any more. added: new on the new base, no patch of the"
+        " old series behind it.",
         "",
         "## git range-diff (old series vs new series)",
         "",
