@@ -198,7 +198,9 @@ def _megatron_checkpoints_on_this_host() -> None:
     from torch.distributed.checkpoint import filesystem
 
     wanted = inspect.signature(filesystem._write_item).parameters.get("serialization_format")
-    if wanted is not None and wanted.default is inspect.Parameter.empty:
+    # our Megatron series passes it since `write-torch-dist-checkpoint-items-with-newer-torch-s`
+    answered = hasattr(filesystem_async, "_WRITE_ITEM_FORMAT")
+    if wanted is not None and wanted.default is inspect.Parameter.empty and not answered:
         def write_item(*args, **kwargs):
             return filesystem._write_item(*args, serialization_format=filesystem.SerializationFormat.TORCH_SAVE,
                                           **kwargs)
