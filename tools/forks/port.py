@@ -3,8 +3,9 @@
 It lives beside the running series, in `third_party/patches/ports/<fork>-<to label>/`, so that it is
 committed like any other file and survives the machine it was begun on:
 
-    port.toml       where from and to, and one [[patch]] per patch of the old series, in its order
-    <name>.patch    each patch carried so far (verdict ported or reworked), as `export` writes it
+    port.toml       where from and to, one [[patch]] per patch of the old series, in its order (and the patches
+                    only the new base needs, verdict added, after the one they follow), the new pin's [pypi]
+    <name>.patch    each patch carried so far (verdict ported, reworked or added), as `export` writes it
     series          those patches in order
 
 port.toml:
