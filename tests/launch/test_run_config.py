@@ -156,7 +156,8 @@ def test_verls_config_is_the_composed_one_where_verl_composes_it(tmp_path, compo
     configs.mkdir(parents=True)
     (configs / "ppo_megatron_trainer.yaml").write_text("defaults:\n  - actor@actor_rollout_ref.actor: megatron_actor\n")
     if composed:
-        (configs / "_generated_ppo_megatron_trainer.yaml").write_text("actor_rollout_ref:\n  actor:\n    ppo_epochs: 1\n")
+        composition = "actor_rollout_ref:\n  actor:\n    ppo_epochs: 1\n"
+        (configs / "_generated_ppo_megatron_trainer.yaml").write_text(composition)
     base = config.verl_base(tmp_path)
     assert (OmegaConf.select(base, "actor_rollout_ref.actor.ppo_epochs") == 1) is composed
     assert ("defaults" in base) is not composed
