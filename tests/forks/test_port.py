@@ -170,7 +170,9 @@ def test_a_patch_the_new_base_needs_is_added_to_the_port(proj, capsys):
     assert p.cli("rebase", "demo", "--drop", LR, "--obsolete", "--why", "the lr followed our batch") == 0
     assert "kept 3, dropped 4, changed 0, added 1" in capsys.readouterr().out
     assert (p.patches / "series").read_text().splitlines()[-2:] == [f"{extra}.patch", f"{SEED}.patch"]
-    assert f"| 4 | {extra}.patch | added | v2 needs it |" in (p.patches / "REBASE-v1-v2.md").read_text()
+    report = (p.patches / "REBASE-v1-v2.md").read_text()
+    assert f"| 4 | {extra}.patch | added | v2 needs it |" in report
+    assert "- kept: 3, dropped: 4, changed: 0, added: 1 (" in report, "the report counts as the summary does"
 
 
 def test_a_bad_pypi_table_is_named(proj, tmp_path):

@@ -115,6 +115,12 @@ class Port:
     def carried(self) -> list[Entry]:
         return [e for e in self.entries if e.verdict in CARRIED]
 
+    def tally(self) -> tuple[int, int, int, int]:
+        """(kept, dropped, changed, added): old patches carried, old patches dropped or obsolete, those reworked,
+        and the new base's own patches."""
+        added = self.count(ADDED)
+        return len(self.carried()) - added, len(self.entries) - len(self.carried()), self.count(REWORKED), added
+
     def pending(self) -> list[Entry]:
         return [e for e in self.entries if e.verdict == PENDING]
 

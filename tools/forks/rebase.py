@@ -475,11 +475,9 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
     report.write_text(_report(port, range_diff), encoding="utf-8")
     shutil.rmtree(port.dir)
     _state_path(repo).unlink(missing_ok=True)
-    new = port.count(port_mod.ADDED)
-    kept, dropped = len(port.carried()) - new, len(port.entries) - len(port.carried())
+    kept, dropped, changed, new = port.tally()
     summary = (f"rebased {fork.name} onto {port.to_ref} ({port.to[:12]}): kept {kept}, dropped {dropped},"
-               f" changed {port.count(port_mod.REWORKED)}{f', added {new}' if new else ''};"
-               f" report {report.relative_to(root)}")
+               f" changed {changed}{f', added {new}' if new else ''}; report {report.relative_to(root)}")
     if fork.pypi and not port.pypi:
         summary += (f"\nnote: forks.{fork.name}.pypi still names {fork.pypi.requirement}, the old pin's"
                     " distribution: set requirement, file and sha256 for the new release, or remove it (a [pypi]"
@@ -503,13 +501,13 @@ def duration(seconds: int) -> str:
 
 def _report(port: Port, range_diff: str) -> str:
     counts = ", ".join(f"{v} {port.count(v)}" for v in port_mod.VERDICTS if v != port_mod.PENDING)
+    kept, dropped, changed, new = port.tally()
     lines = [
         f"# {port.fork}: series rebased from {port.from_ref} to {port.to_ref}",
         "",
         f"- from: `{port.from_ref}` ({port.from_})",
         f"- to: `{port.to_ref}` ({port.to})",
-        f"- kept: {len(port.carried())}, dropped: {len(port.entries) - len(port.carried())}, changed:"
-        f" {port.count(port_mod.REWORKED)} ({counts})",
+        f"- kept: {kept}, dropped: {dropped}, changed: {changed}, added: {new} ({counts})",
         f"- time: {duration(port.elapsed)} over {len(port.sessions)} session(s), conflicts resolved included",
         "",
         "## Verdicts",
