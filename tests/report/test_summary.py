@@ -62,6 +62,19 @@ def test_the_log_prob_drift_sync_check_and_kv_cache_get_columns_where_logged(tmp
     assert "logprob diff" not in summary.render([without], tmp_path, tmp_path / "tb")  # no empty columns
 
 
+def test_the_rebalance_figures_get_columns_where_the_rollout_rebalanced(tmp_path):
+    rebalanced = {**VERL_STEP, "rollout/rebalance/moved": 3.0, "rollout/rebalance/failed": 0.0,
+                  "rollout/rebalance/kv_bytes_sent": 98304.0, "rollout/rebalance/busy_s": 4.5,
+                  "rollout/rebalance/idle_s": 0.5, "rollout/rebalance/makespan_s": 5.0}
+    on, off = summary.table([summary.Step(1, rebalanced), summary.Step(2, VERL_STEP)], samples=8, cards=2,
+                            dies_per_card=1)
+    assert (on["rebalance moved"], on["rebalance kv bytes sent"], on["rollout makespan (s)"]) == (3.0, 98304.0, 5.0)
+    assert "rebalance moved" not in off
+    text = summary.render([on, off], tmp_path, tmp_path / "tb")
+    assert "rebalance kv bytes sent" in text and "rollout makespan (s)" in text and "98304.0" in text
+    assert "rebalance moved" not in summary.render([off], tmp_path, tmp_path / "tb")  # off: no columns
+
+
 def test_a_step_without_timings_still_gets_a_row():
     (row,) = summary.table([summary.Step(3, {"critic/score/mean": 1.0})], samples=8, cards=2, dies_per_card=2)
     assert row["reward mean"] == 1.0 and "system TPS per card" not in row and math.isnan(row["step time (s)"])

@@ -69,7 +69,15 @@ OPTIONAL_COLUMNS = (("logprob diff max", "training/rollout_logprob_diff_max"),
                     # the manual lifecycle on vLLM: the KV cache freed after the rollout, re-created before the next
                     ("kv freed (MiB)", "rollout/kv_cache_freed_mib"),
                     ("kv made (MiB)", "rollout/kv_cache_mib"),
-                    ("kv freed rss (MiB)", "rollout/kv_cache_freed_rss_mib"))
+                    ("kv freed rss (MiB)", "rollout/kv_cache_freed_rss_mib"),
+                    # the rollout rebalance, where a profile turns it on: per engine, averaged over the engines that
+                    # report (verl/workers/rollout/rebalance/loop.py:rebalance_metrics)
+                    ("rebalance moved", "rollout/rebalance/moved"),
+                    ("rebalance failed", "rollout/rebalance/failed"),
+                    ("rebalance kv bytes sent", "rollout/rebalance/kv_bytes_sent"),
+                    ("rollout busy (s)", "rollout/rebalance/busy_s"),
+                    ("rollout idle (s)", "rollout/rebalance/idle_s"),
+                    ("rollout makespan (s)", "rollout/rebalance/makespan_s"))
 
 
 def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> list[dict[str, float]]:
