@@ -69,15 +69,15 @@ OPTIONAL_COLUMNS = (("logprob diff max", "training/rollout_logprob_diff_max"),
                     # the manual lifecycle on vLLM: the KV cache freed after the rollout, re-created before the next
                     ("kv freed (MiB)", "rollout/kv_cache_freed_mib"),
                     ("kv made (MiB)", "rollout/kv_cache_mib"),
-                    ("kv freed rss (MiB)", "rollout/kv_cache_freed_rss_mib"),
-                    # the rollout rebalance, where a profile turns it on: per engine, averaged over the engines that
-                    # report (verl/workers/rollout/rebalance/loop.py:rebalance_metrics)
-                    ("rebalance moved", "rollout/rebalance/moved"),
-                    ("rebalance failed", "rollout/rebalance/failed"),
-                    ("rebalance kv bytes sent", "rollout/rebalance/kv_bytes_sent"),
-                    ("rollout busy (s)", "rollout/rebalance/busy_s"),
-                    ("rollout idle (s)", "rollout/rebalance/idle_s"),
-                    ("rollout makespan (s)", "rollout/rebalance/makespan_s"))
+                    ("kv freed rss (MiB)", "rollout/kv_cache_freed_rss_mib"))
+# The rollout rebalance's figures, where a profile turns it on, in a table of their own: per engine, averaged over
+# the engines that report (verl/workers/rollout/rebalance/loop.py:rebalance_metrics).
+REBALANCE_COLUMNS = (("moved", "rollout/rebalance/moved"),
+                     ("failed", "rollout/rebalance/failed"),
+                     ("kv bytes sent", "rollout/rebalance/kv_bytes_sent"),
+                     ("busy (s)", "rollout/rebalance/busy_s"),
+                     ("idle (s)", "rollout/rebalance/idle_s"),
+                     ("makespan (s)", "rollout/rebalance/makespan_s"))
 
 
 def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> list[dict[str, float]]:
@@ -89,6 +89,7 @@ def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> li
                "step time (s)": s.values.get("timing_s/step", math.nan)}
         row.update(throughput(s, samples, cards, dies_per_card))
         row.update({name: s.values[tag] for name, tag in OPTIONAL_COLUMNS if tag in s.values})
+        row.update({f"rebalance {name}": s.values[tag] for name, tag in REBALANCE_COLUMNS if tag in s.values})
         rows.append(row)
     return rows
 
@@ -104,12 +105,16 @@ def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
     columns += [c for c in ("reshard time (s)", "offload time (s)") if any(r.get(c, 0) for r in rows)]
     # what only some paths log (the log-prob drift, the sync check, the KV cache), in a second table of checks
     checks = ["step"] + [name for name, _ in OPTIONAL_COLUMNS if any(name in r for r in rows)]
+    rebalance = ["step"] + [f"rebalance {name}" for name, _ in REBALANCE_COLUMNS if any(f"rebalance {name}" in r
+                                                                                     for r in rows)]
     console = Console(width=240, record=True, force_terminal=False)
     with console.capture() as cap:
         trained = sum(r["step"] > 0 for r in rows)  # step 0: the validation before training, when it runs
         console.print(_table(f"run summary: {trained} step(s)", columns, rows))
         if len(checks) > 1:
             console.print(_table("checks per step", checks, rows))
+        if len(rebalance) > 1:
+            console.print(_table("rollout rebalance per step (per engine)", rebalance, rows))
     lines = [cap.get().rstrip()]
     rewards = [r["reward mean"] for r in rows if not math.isnan(r["reward mean"])]
     if len(rewards) >= 2:
