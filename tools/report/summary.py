@@ -105,8 +105,8 @@ def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
     columns += [c for c in ("reshard time (s)", "offload time (s)") if any(r.get(c, 0) for r in rows)]
     # what only some paths log (the log-prob drift, the sync check, the KV cache), in a second table of checks
     checks = ["step"] + [name for name, _ in OPTIONAL_COLUMNS if any(name in r for r in rows)]
-    rebalance = ["step"] + [f"rebalance {name}" for name, _ in REBALANCE_COLUMNS if any(f"rebalance {name}" in r
-                                                                                     for r in rows)]
+    rebalance = ["step"] + [c for c in (f"rebalance {name}" for name, _ in REBALANCE_COLUMNS)
+                            if any(c in r for r in rows)]
     console = Console(width=240, record=True, force_terminal=False)
     with console.capture() as cap:
         trained = sum(r["step"] > 0 for r in rows)  # step 0: the validation before training, when it runs
