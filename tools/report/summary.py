@@ -72,12 +72,12 @@ OPTIONAL_COLUMNS = (("logprob diff max", "training/rollout_logprob_diff_max"),
                     ("kv freed rss (MiB)", "rollout/kv_cache_freed_rss_mib"))
 # The rollout rebalance's figures, where a profile turns it on, in a table of their own: per engine, averaged over
 # the engines that report (verl/workers/rollout/rebalance/loop.py:rebalance_metrics).
-REBALANCE_COLUMNS = (("moved", "rollout/rebalance/moved"),
-                     ("failed", "rollout/rebalance/failed"),
-                     ("kv bytes sent", "rollout/rebalance/kv_bytes_sent"),
-                     ("busy (s)", "rollout/rebalance/busy_s"),
-                     ("idle (s)", "rollout/rebalance/idle_s"),
-                     ("makespan (s)", "rollout/rebalance/makespan_s"))
+REBALANCE_COLUMNS = (("rebalance moved", "rollout/rebalance/moved"),
+                     ("rebalance failed", "rollout/rebalance/failed"),
+                     ("rebalance kv bytes sent", "rollout/rebalance/kv_bytes_sent"),
+                     ("rebalance busy (s)", "rollout/rebalance/busy_s"),
+                     ("rebalance idle (s)", "rollout/rebalance/idle_s"),
+                     ("rebalance makespan (s)", "rollout/rebalance/makespan_s"))
 
 
 def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> list[dict[str, float]]:
@@ -88,8 +88,7 @@ def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> li
                "response length": s.values.get("response_length/mean", math.nan),
                "step time (s)": s.values.get("timing_s/step", math.nan)}
         row.update(throughput(s, samples, cards, dies_per_card))
-        row.update({name: s.values[tag] for name, tag in OPTIONAL_COLUMNS if tag in s.values})
-        row.update({f"rebalance {name}": s.values[tag] for name, tag in REBALANCE_COLUMNS if tag in s.values})
+        row.update({name: s.values[tag] for name, tag in OPTIONAL_COLUMNS + REBALANCE_COLUMNS if tag in s.values})
         rows.append(row)
     return rows
 
@@ -104,9 +103,8 @@ def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
     # the A3 path's reshard and offload phases (0 elsewhere)
     columns += [c for c in ("reshard time (s)", "offload time (s)") if any(r.get(c, 0) for r in rows)]
     # what only some paths log (the log-prob drift, the sync check, the KV cache), in a second table of checks
-    checks = ["step"] + [name for name, _ in OPTIONAL_COLUMNS if any(name in r for r in rows)]
-    rebalance = ["step"] + [c for c in (f"rebalance {name}" for name, _ in REBALANCE_COLUMNS)
-                            if any(c in r for r in rows)]
+    checks, rebalance = (["step"] + [name for name, _ in named if any(name in r for r in rows)]
+                         for named in (OPTIONAL_COLUMNS, REBALANCE_COLUMNS))
     console = Console(width=240, record=True, force_terminal=False)
     with console.capture() as cap:
         trained = sum(r["step"] > 0 for r in rows)  # step 0: the validation before training, when it runs
