@@ -1,20 +1,21 @@
 """Faults on the A3 path at small scale (cpu-tiny.yaml, 4 ranks), made by killing things, and the resume after each.
 
-One run is cut twice and finished by resuming, and compared with the same run made straight through:
+In CI, one run is cut and finished by resuming, and compared with the same run made straight through:
 1. a rank is stopped (SIGSTOP) once the checkpoint of step 2 has begun, then killed: the save never completes;
-2. the printed --resume command continues from step 1, sets the cut save aside, and a rank is killed mid-step 3;
-3. the printed command continues from step 2 and finishes step 3.
-Each time the launcher must name the dead rank and the phase, exit 2, leave no process of the run, and print the
-command that continues it. The finished run must equal the straight one step by step.
+2. the printed --resume command continues from step 1, sets the cut save aside, and finishes steps 2 and 3.
+The launcher must name the dead rank and the phase, exit 2, leave no process of the run, and print the command that
+continues it. The finished run must equal the straight one step by step.
 
-Two more runs, marked `long` (beyond CI's time; `pytest -m long` runs them), are cut and finished the same way:
+More runs, marked `long` (beyond CI's time; `pytest -m long` runs them), are cut and finished the same way:
+- "mid": a rank killed mid-step 2, in the rollout, and the run resumed from step 1;
 - "disk": checkpoints on a tmpfs that holds one checkpoint: the save of step 2 fills it; after the disk is made
   larger the resume is cut by SIGKILL to the head's launcher itself mid-step 3 (every process of the run must exit
   by itself), and a second resume finishes (or, when the headless run still saved step 3 before it exited, ends
   at once with nothing left to train);
 - "node": two Ray nodes on this machine (the launcher's head and a worker node started as a worker launcher starts
   it); the worker node is killed mid-step 2, and a resume with a new worker node finishes.
-Without the model, these faults are also tested in tests/launch/test_faults.py.
+Without the model, a rank killed mid-step, a lost node and a killed launcher are also tested in
+tests/launch/test_faults.py, on a real Ray cluster.
 """
 
 from __future__ import annotations
@@ -142,25 +143,9 @@ def resume_command(run: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def killed_mid_step(fault_logs, cut_save):
-    """The cut run resumed with the printed command; rank 1 killed once step 2 is logged, i.e. in step 3."""
+def finished(cut_save):
+    """The cut run resumed with the printed command: from step 1, to its end."""
     cmd = resume_command(cut_save)
-    log = fault_logs / "cut" / "trainer.log"
-    since = log.stat().st_size
-
-    def step_2_logged():
-        return "step:2 -" in log.read_text()[since:]
-
-    def kill(pids):
-        os.kill(pids[1], signal.SIGKILL)
-        return {"pid": pids[1], "killed_at": time.time()}
-
-    return run_with_fault(cmd, dashboard_of(cmd), step_2_logged, kill)
-
-
-@pytest.fixture(scope="module")
-def finished(fault_logs, killed_mid_step):
-    cmd = resume_command(killed_mid_step)
     return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
 
 
@@ -176,23 +161,14 @@ def test_a_rank_killed_during_a_save_leaves_the_last_complete_checkpoint(cut_sav
     assert "processes of the run left after Ray stopped: 0" in out and left_of(fault_logs / "cut") == []
 
 
-def test_resume_sets_the_cut_save_aside_and_names_a_rank_killed_mid_step(killed_mid_step, fault_logs):
-    out = killed_mid_step["out"]
+def test_the_resume_sets_the_cut_save_aside_and_equals_the_straight_run(finished, straight, fault_logs):
+    out = finished["out"]
     ckpt = fault_logs / "cut" / "checkpoints"
     assert "resume: continues cut from step 1 (" in out
     assert f"note: global_step_2.partial: a save that did not complete, set aside for inspection ({ckpt}" in out
     assert (ckpt / "global_step_2.partial").is_dir()
-    assert killed_mid_step["rc"] == 2, out[-3000:]
-    pid = killed_mid_step["injected"]["pid"]
-    assert re.search(rf"fault: rank 1 \(pid {pid} on \S+\) died during generate_sequences(_cached)?" + PEERS, out)
-    assert "Last complete checkpoint: step 2 (" in out and resume.tracked_step(ckpt) == 2
-    assert "processes of the run left after Ray stopped: 0" in out and left_of(fault_logs / "cut") == []
-
-
-def test_the_resumed_run_finishes_and_equals_the_straight_run(finished, straight, fault_logs):
-    out = finished["out"]
     assert finished["rc"] == 0, out[-3000:]
-    assert "resume: continues cut from step 2 (" in out
+    assert resume.tracked_step(ckpt) == 3 and left_of(fault_logs / "cut") == []
     assert_same_steps(fault_logs / "cut", straight["run_dir"])
 
 
@@ -206,16 +182,56 @@ def assert_same_steps(resumed: Path, straight: Path) -> None:
     assert compared > 60 and not differ, json.dumps({f"{s}:{k}": v for (s, k), v in differ.items()}, indent=1)
 
 
-def test_faults_are_seen_within_a_watch_period_and_the_run_stops_soon_after(cut_save, killed_mid_step):
+def assert_seen_within_a_watch_period(run: dict) -> None:
     """The launcher asks Ray every 5 s: a dead rank is named within that (plus the state API's answer)."""
-    for run in (cut_save, killed_mid_step):
-        seen = run["fault_seen_at"] - run["injected"]["killed_at"]
-        ended = run["ended"] - run["injected"]["killed_at"]
-        print(f"fault named {seen:.1f} s after the kill; launcher exited after {ended:.1f} s")
-        assert seen < 15 and ended < 120
+    seen = run["fault_seen_at"] - run["injected"]["killed_at"]
+    ended = run["ended"] - run["injected"]["killed_at"]
+    print(f"fault named {seen:.1f} s after the kill; launcher exited after {ended:.1f} s")
+    assert seen < 15 and ended < 120
 
 
-# --- long: a full disk, the head's launcher killed, a worker node lost ---------------------------------------------
+def test_a_fault_is_seen_within_a_watch_period_and_the_run_stops_soon_after(cut_save):
+    assert_seen_within_a_watch_period(cut_save)
+
+
+# --- long: a rank killed mid-step, a full disk, the head's launcher killed, a worker node lost ---------------------
+
+@pytest.fixture(scope="module")
+def killed_mid_step(fault_logs, smoke_work, straight):
+    """Rank 1 killed once step 1 is logged, i.e. in step 2's rollout."""
+    cmd = smoke_command("megatron", STEPS, smoke_work, fault_logs, *OVERRIDES, run_id="mid")
+    log = fault_logs / "mid" / "trainer.log"
+
+    def kill(pids):
+        os.kill(pids[1], signal.SIGKILL)
+        return {"pid": pids[1], "killed_at": time.time()}
+
+    return run_with_fault(cmd, dashboard_of(cmd), lambda: log.is_file() and "step:1 -" in log.read_text(), kill)
+
+
+@pytest.fixture(scope="module")
+def mid_finished(killed_mid_step):
+    cmd = resume_command(killed_mid_step)
+    return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
+
+
+@pytest.mark.long
+def test_a_rank_killed_mid_step_is_named_with_its_phase(killed_mid_step, fault_logs):
+    out = killed_mid_step["out"]
+    assert killed_mid_step["rc"] == 2, out[-3000:]
+    pid = killed_mid_step["injected"]["pid"]
+    assert re.search(rf"fault: rank 1 \(pid {pid} on \S+\) died during generate_sequences(_cached)?" + PEERS, out)
+    assert "Last complete checkpoint: step 1 (" in out and resume.tracked_step(fault_logs / "mid" / "checkpoints") == 1
+    assert "processes of the run left after Ray stopped: 0" in out and left_of(fault_logs / "mid") == []
+    assert_seen_within_a_watch_period(killed_mid_step)
+
+
+@pytest.mark.long
+def test_the_run_resumed_after_a_mid_step_kill_equals_the_straight_run(mid_finished, straight, fault_logs):
+    assert mid_finished["rc"] == 0, mid_finished["out"][-3000:]
+    assert "resume: continues mid from step 1 (" in mid_finished["out"]
+    assert_same_steps(fault_logs / "mid", straight["run_dir"])
+
 
 DISK_MB, BIGGER_MB = 40, 200  # one cpu-tiny checkpoint is 26 MB: the first fits, the second does not
 HEAD_GONE_S = 60  # the bound for the run's processes to exit once the head's launcher is killed
