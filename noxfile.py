@@ -53,6 +53,10 @@ def upgrade_report(session: nox.Session) -> None:
 # kept apart from the user's own .venv; installing it is a no-op when nothing changed.
 TEST_STACK = ".nox/stack-cpu"
 REQUIRE_STACK = "RL_RECIPE_REQUIRE_STACK"  # read by tests/stack.py
+# one pytest-xdist worker per core, up to 4 (each test may start several processes); the groups: tests/parallel.py
+WORKERS = ("--numprocesses", "auto", "--maxprocesses", "4")
+PARALLEL = (*WORKERS, "--dist", "loadscope", "--no-loadscope-reorder")
+FORK_PARALLEL = (*WORKERS, "--dist", "loadfile")  # the forks' trees have no conftest of ours: by file
 
 
 @nox.session(python=False)
@@ -74,14 +78,15 @@ def tests(session: nox.Session) -> None:
     have_ascend = Path("third_party/vllm-ascend/vllm_ascend").is_dir()
     if have_ascend:
         session.run(sys.executable, "-m", "tools.forks", "apply", "vllm-ascend", external=True)
-    session.run(python, "-m", "pytest", *session.posargs, external=True,
+    session.run(python, "-m", "pytest", *PARALLEL, *session.posargs, external=True,
                 env={"PYTHONFAULTHANDLER": "1", REQUIRE_STACK: require})
     if not session.posargs:  # the tests our patches add to the forks' own trees, against the installed stack
         forks = []
         if not have_ascend:
             session.warn(f"the vLLM-Ascend source is absent ({REQUIRE_STACK}=0): its series' tests do not run")
             forks = _forks_tested_on_cpu_but("vllm-ascend")
-        session.run(python, "-m", "tools.forks", "test", "--profile", "cpu", *forks, external=True)
+        session.run(python, "-m", "tools.forks", "test", "--profile", "cpu", *forks, "--", *FORK_PARALLEL,
+                    external=True)
 
 
 def _forks_tested_on_cpu_but(absent: str) -> list[str]:

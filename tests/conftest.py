@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from tests import parallel
+
 # Under RL_RECIPE_REQUIRE_STACK=1 a skip fails unless it names a source CI cannot have (see tests/stack.py).
 from tests.stack import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 from tests.threads import RAY_CLIENT_THREADS, native_threads
@@ -22,8 +24,18 @@ _STARTED = time.monotonic()
 SLOW_PHASE_S = 60.0  # named as it ends: a CI run cut off at its time limit still shows where the time went
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: the groups of tests/parallel.py
+def pytest_xdist_make_scheduler(config, log):
+    return parallel.by_module(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        parallel.ray_first(items)
+
+
 def pytest_runtest_logreport(report):
-    if report.duration >= SLOW_PHASE_S:
+    if report.duration >= SLOW_PHASE_S and not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's controller says it
         print(f"\nslow: {report.nodeid} ({report.when}) {report.duration:.0f} s,"
               f" {time.monotonic() - _STARTED:.0f} s into the session", file=sys.stderr, flush=True)
 
