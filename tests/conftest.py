@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests import parallel
+# The groups of the tests on pytest-xdist's workers (see tests/parallel.py).
+from tests.parallel import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: F401
 
 # Under RL_RECIPE_REQUIRE_STACK=1 a skip fails unless it names a source CI cannot have (see tests/stack.py).
 from tests.stack import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
@@ -22,16 +23,6 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 _status: list[int] = []
 _STARTED = time.monotonic()
 SLOW_PHASE_S = 60.0  # named as it ends: a CI run cut off at its time limit still shows where the time went
-
-
-@pytest.hookimpl(optionalhook=True)  # xdist's hook: the groups of tests/parallel.py
-def pytest_xdist_make_scheduler(config, log):
-    return parallel.by_module(config, log)
-
-
-def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        parallel.ray_first(items)
 
 
 def pytest_runtest_logreport(report):

@@ -12,6 +12,10 @@ pytest no longer reads, so every group is ignored. The scheduler below groups by
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 RAY_GROUP = "ray-clusters"
 # the modules that start a Ray cluster (ray.init, ray.cluster_utils, or a launch through tools.launch / tools.smoke)
 RAY_CLUSTER_MODULES = frozenset({
@@ -45,3 +49,14 @@ def by_module(config, log):
             return group_of(nodeid)
 
     return ByModule(config, log)
+
+
+# the hooks, which tests/conftest.py takes in (and tests/test_parallel.py's scratch suite)
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent without xdist
+def pytest_xdist_make_scheduler(config, log):
+    return by_module(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        ray_first(items)

@@ -28,20 +28,12 @@ def test_every_module_that_starts_ray_is_in_the_ray_group():
 
 
 CONFTEST = f"""
-import os, sys, pytest
+import sys
 sys.path.insert(0, {str(ROOT)!r})
 from tests import parallel
+from tests.parallel import pytest_collection_modifyitems, pytest_xdist_make_scheduler
 parallel.RAY_CLUSTER_MODULES = frozenset({{"test_ray_a.py", "test_ray_b.py"}})
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    return parallel.by_module(config, log)
-
-def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        parallel.ray_first(items)
 """
-
 
 def test_two_workers_keep_each_module_whole_and_the_ray_modules_together_and_first(tmp_path):
     (tmp_path / "conftest.py").write_text(CONFTEST)

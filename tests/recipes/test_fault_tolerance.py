@@ -142,11 +142,16 @@ def resume_command(run: dict) -> list[str]:
     return shlex.split(found[0])
 
 
+def resumed_to_the_end(run: dict) -> dict:
+    """The command `run` printed, run again with no fault."""
+    cmd = resume_command(run)
+    return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
+
+
 @pytest.fixture(scope="module")
 def finished(cut_save):
     """The cut run resumed with the printed command: from step 1, to its end."""
-    cmd = resume_command(cut_save)
-    return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
+    return resumed_to_the_end(cut_save)
 
 
 def test_a_rank_killed_during_a_save_leaves_the_last_complete_checkpoint(cut_save, fault_logs):
@@ -211,8 +216,7 @@ def killed_mid_step(fault_logs, smoke_work, straight):
 
 @pytest.fixture(scope="module")
 def mid_finished(killed_mid_step):
-    cmd = resume_command(killed_mid_step)
-    return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
+    return resumed_to_the_end(killed_mid_step)
 
 
 @pytest.mark.long
@@ -283,8 +287,7 @@ def head_killed(fault_logs, small_disk, disk_full):
 
 @pytest.fixture(scope="module")
 def disk_finished(disk_full, head_killed):
-    cmd = resume_command(disk_full)  # what the user runs again: the launcher that was killed printed nothing
-    return run_with_fault(cmd, dashboard_of(cmd), lambda: False, lambda pids: None)
+    return resumed_to_the_end(disk_full)  # what the user runs again: the launcher that was killed printed nothing
 
 
 @pytest.mark.long
