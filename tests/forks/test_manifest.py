@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The pins of the foundation issue; changing one is a deliberate act (rebase) and shows up here.
 PINS = {
-    "verl": ("third_party/verl", "v0.4.0", "0758489422e8d41a89e6c36d4c477714520f0dcc"),
+    "verl": ("third_party/verl", "v0.6.1", "d62da4950573d7a4b7ef2362337952e7ab59e78d"),
     "vllm": ("third_party/vllm", "v0.9.1", "b6553be1bc75f046b00046a4ad7576364d03c835"),
     "vllm-ascend": ("third_party/vllm-ascend", "v0.9.1", "0740d10211fcdcaa00d29e8659d7de892f5ed4d8"),
     "megatron": ("third_party/Megatron-LM", "core_v0.12.3", "3ea68ad6042cc1204386ae9364358f7c4de1bc37"),
@@ -63,7 +63,8 @@ def test_every_real_series_exists_and_lints_clean():
     (lambda t: t.replace('test_profiles = ["npu", "cpu"]', 'test_profiles = ["npu", "tpu"]', 1),
      "forks.vllm-ascend.test_profiles"),
     (lambda t: t.replace('url = "https://github.com/volcengine/verl.git"\n', "", 1), "forks.verl.url"),
-    (lambda t: t.replace('requirement = "verl==0.4.0", ', "", 1), "forks.verl.pypi"),
+    (lambda t: t.replace('requirement = "verl==0.6.1", ', "", 1), "forks.verl.pypi"),
+    (lambda t: t.replace('lacks = ["verl/', 'lacks = ["/verl/', 1), "forks.verl.pypi.lacks"),
     (lambda t: t + "[[[", "not valid TOML"),
 ])
 def test_malformed_manifest_names_the_field(tmp_path, edit, message):

@@ -20,6 +20,7 @@ import pytest
 from tests.forks.conftest import commit_series, git, make_project
 from tests.forks.test_rebase_dry_run import CONFIG, SERIES, V1, _edit, _upstream
 from tools.forks import git as git_mod
+from tools.forks import manifest as manifest_mod
 from tools.forks import port as port_mod
 
 FLAG, TYPO, LAYER, BATCH, LR, SEED, README = (
@@ -133,12 +134,14 @@ def test_the_new_pins_pypi_source_is_written_at_the_finish(proj, capsys):
     port_toml = _port_dir(p) / "port.toml"
     text = port_toml.read_text()
     port_toml.write_text(text.replace("\n[[patch]]", '\n[pypi]\nrequirement = "demo==2.0"\nfile = "demo-2.0.tar.gz"\n'
-                                      f'sha256 = "{"ab" * 32}"\nnote = "no docs"\n\n[[patch]]', 1))
+                                      f'sha256 = "{"ab" * 32}"\nnote = "no docs"\nlacks = ["docs"]\n\n[[patch]]', 1))
     capsys.readouterr()
     assert p.cli("rebase", "demo", "--drop", LR, "--obsolete", "--why", "the lr followed our batch") == 0
     assert "note:" not in capsys.readouterr().out
     pypi = tomllib.loads((p.root / "third_party/forks.toml").read_text())["forks"]["demo"]["pypi"]
-    assert pypi == {"requirement": "demo==2.0", "file": "demo-2.0.tar.gz", "sha256": "ab" * 32, "note": "no docs"}
+    assert pypi == {"requirement": "demo==2.0", "file": "demo-2.0.tar.gz", "sha256": "ab" * 32, "note": "no docs",
+                    "lacks": ["docs"]}
+    assert manifest_mod.load(p.root).forks["demo"].pypi.lacks == ("docs",)
 
 
 def test_a_patch_the_new_base_needs_is_added_to_the_port(proj, capsys):
@@ -186,6 +189,15 @@ def test_a_bad_pypi_table_is_named(proj, tmp_path):
     (port_dir / "port.toml").write_text(top + '[pypi]\nrequirement = "demo==2.0"\nfiel = "f"\n')
     with pytest.raises(port_mod.PortError, match=r"pypi\.fiel: unknown key"):
         port_mod.load(port_dir)
+    pypi = f'[pypi]\nrequirement = "demo==2.0"\nfile = "f"\nsha256 = "{"ab" * 32}"\n'
+    (port_dir / "port.toml").write_text(top + pypi + 'lacks = ["/docs"]\n')
+    with pytest.raises(port_mod.PortError, match=r"pypi\.lacks: '/docs' is not a plain relative path"):
+        port_mod.load(port_dir)
+    (port_dir / "port.toml").write_text(top + pypi + 'lacks = ["docs", "src/gen"]\n')
+    port = port_mod.load(port_dir)
+    assert port.pypi["lacks"] == ["docs", "src/gen"]
+    port_mod.save(port)
+    assert port_mod.load(port_dir).pypi == port.pypi, "save writes lacks as a TOML array"
 
 
 def test_drop_the_stopped_patch_a_later_one_or_one_up_front(proj, capsys):

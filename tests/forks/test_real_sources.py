@@ -90,3 +90,89 @@ def test_git_mirrors_sync_and_apply_every_mirrored_fork(tmp_path, monkeypatch, c
     missing = sorted({f.name for f in forks} - set(names))
     if missing:
         print(f"not mirrored here, so not synced from git: {', '.join(missing)}")
+
+
+
+def _files(tree: Path) -> dict[str, Path]:
+    """Every file under `tree` but its .git, by path relative to it."""
+    return {p.relative_to(tree).as_posix(): p for p in tree.rglob("*")
+            if p.is_file() and ".git" not in p.relative_to(tree).parts[:1]}
+
+
+def _under(path: str, trees: tuple[str, ...]) -> bool:
+    return any(path == t or path.startswith(t + "/") for t in trees)
+
+
+_VERL_TREES: dict[str, dict[str, Path]] = {}  # source -> the files `sync` laid out, made once per session
+
+
+def _verl_trees(tmp_path_factory, monkeypatch, capsys) -> tuple[manifest_mod.Fork, dict[str, Path], dict[str, Path]]:
+    """verl synced from git (a mirror) and from PyPI into two scratch projects: the fork and both trees' files."""
+    monkeypatch.delenv("GIT_CONFIG_GLOBAL")  # the user's mirrors live in the real global config
+    verl = manifest_mod.load(ROOT).forks["verl"]
+    if not _mirrored([verl.url]):
+        stack.unavailable(stack.GIT, f"no git mirror configured for verl ({verl.url}) to compare its sdist with")
+    reason = _index_unreachable()
+    if reason:
+        stack.missing(reason, "the verl sdist comes from it")
+    if not _VERL_TREES:
+        scratch = tmp_path_factory.mktemp("verl-trees")
+        for source, superproject in (("git", True), ("pypi", False)):
+            root = _scratch_project(scratch / source, superproject=superproject)
+            assert main(["--root", str(root), "sync", "--source", source, "verl"]) == 0
+            if source == "pypi":
+                said = f"lacks, compared with {verl.ref}: {', '.join(verl.pypi.lacks)}"
+                assert said in capsys.readouterr().out, "sync from PyPI names what it lacks"
+            _VERL_TREES[source] = _files(root / verl.path)
+    return verl, _VERL_TREES["git"], _VERL_TREES["pypi"]
+
+
+def test_verl_sdist_equals_its_tag_but_for_the_trees_forks_toml_says_it_lacks(tmp_path_factory, monkeypatch, capsys):
+    """The sdist-to-tag equality check: verl synced from git (a mirror) and from PyPI, compared file by file.
+
+    Compared: the distribution's package, verl/ (what forks.toml's note says equals the tag). The sdist also ships
+    parts of the tag's tests/ and scripts/ (counted, not compared) and none of examples, recipe, docs. The rule: every
+    Python file of verl/ at the tag that the sdist lacks lies under a `lacks` path, every Python file both have is
+    byte-identical, the sdist has no Python file the tag has not, and every `lacks` path is present at the tag and
+    missing from the sdist (so a stale entry fails). Other files of verl/ that differ (READMEs, YAML) are printed,
+    not held to the list.
+    """
+    verl, tag, sdist = _verl_trees(tmp_path_factory, monkeypatch, capsys)
+    lacks = verl.pypi.lacks
+    assert lacks, "forks.verl.pypi.lacks names the trees the sdist lacks"
+    package = verl.distribution.replace("-", "_")
+    tag_only = sorted(p for p in tag if p.startswith(f"{package}/") and p not in sdist)
+    sdist_only = sorted(p for p in sdist if p.startswith(f"{package}/") and p not in tag)
+    differ = sorted(p for p in tag if p.startswith(f"{package}/") and p in sdist
+                    and tag[p].read_bytes() != sdist[p].read_bytes())
+    python = [p for p in tag_only if p.endswith(".py")]
+    compared = sum(p.startswith(f"{package}/") for p in tag)
+    print(f"verl {verl.ref}: {compared} files under {package}/ at the tag; the sdist lacks {len(tag_only)}"
+          f" ({len(python)} Python), has {len(sdist_only)} the tag has not, {len(differ)} differ")
+    for path in tag_only:
+        print(f"  tag only: {path}" + ("" if _under(path, lacks) else "  (not Python: not held to lacks)"
+                                       if not path.endswith(".py") else "  (outside lacks)"))
+    for path in sdist_only + differ:
+        print(f"  {'sdist only' if path in sdist_only else 'differs'}: {path}")
+    for top in sorted({p.split("/", 1)[0] for p in sdist if "/" in p} - {package, f"{package}.egg-info"}):
+        have = [p for p in tag if p.startswith(f"{top}/")]
+        print(f"  {top}/: the sdist ships {sum(p in sdist for p in have)} of the tag's {len(have)} files"
+              f" ({sum(p.endswith('.py') and p not in sdist for p in have)} Python files not)")
+    assert [p for p in python if not _under(p, lacks)] == [], "Python files the sdist lacks outside pypi.lacks"
+    assert [p for p in differ if p.endswith(".py")] == [], "Python files that differ between the sdist and the tag"
+    assert [p for p in sdist_only if p.endswith(".py")] == [], "Python files of the sdist that the tag has not"
+    stale = [t for t in lacks if not any(_under(p, (t,)) for p in tag) or any(_under(p, (t,)) for p in sdist)]
+    assert stale == [], "pypi.lacks entries that are not at the tag or not missing from the sdist"
+
+
+def test_no_verl_patch_changes_a_file_the_sdist_lacks(tmp_path_factory, monkeypatch, capsys):
+    """What `check` cannot see without both trees: a patch that changes (not creates) a file of the tag that the sdist
+    lacks, anywhere in the tree (tests/ too), does not apply to the tree CI syncs from PyPI."""
+    from tools.forks import ops
+    from tools.forks.series import Series
+
+    verl, tag, sdist = _verl_trees(tmp_path_factory, monkeypatch, capsys)
+    needs = [f"{patch.name}: {path}" for patch in Series(ROOT / verl.patches).paths()
+             for path in sorted(ops.patch_paths(patch.read_text(encoding="utf-8")))
+             if path in tag and path not in sdist]
+    assert needs == [], f"patches of the verl series that change files {verl.pypi.file} lacks"

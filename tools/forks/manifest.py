@@ -17,6 +17,7 @@ MANIFEST = Path("third_party/forks.toml")
 PROFILES = ("npu", "cuda", "cpu")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 RELEASE_TAGS = "v{version}"
+PYPI_KEYS = ("requirement", "file", "sha256", "note", "lacks")  # of forks.<name>.pypi (PyPISource)
 
 
 class ManifestError(ValueError):
@@ -30,7 +31,11 @@ class PyPISource:
     requirement: str  # "name==version", what users would pip install
     file: str  # exact file name on the index
     sha256: str  # of that file; verified after download
-    note: str = ""  # what the distribution lacks compared with git
+    note: str = ""  # prose: how the distribution's files differ from the tree at the pin
+    # Trees (directories or files, relative to the fork's root) that the tree at the pin has and the
+    # distribution lacks. `sync` names them when it lays the distribution out, `check` fails a patch that
+    # touches or imports them, and tests/forks/test_real_sources.py holds them to the real sdist-to-tag difference.
+    lacks: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -165,7 +170,12 @@ def _fork(name: str, t: dict) -> Fork:
                 f"forks.{name}.pypi: needs requirement = \"name==version\", file and sha256"
                 f" (missing: {', '.join(missing) or 'an exact == pin'})"
             )
-        pypi = PyPISource(p["requirement"], p["file"], p["sha256"], p.get("note", ""))
+        unknown = [k for k in p if k not in PYPI_KEYS]
+        if unknown:
+            raise ManifestError(f"forks.{name}.pypi: unknown key(s) {', '.join(unknown)}; the known ones are"
+                                f" {', '.join(PYPI_KEYS)} (a typo?)")
+        pypi = PyPISource(p["requirement"], p["file"], p["sha256"], p.get("note", ""),
+                          lacks_paths(f"forks.{name}.pypi.lacks", p.get("lacks", [])))
     return Fork(
         name=name,
         path=need("path"),
@@ -184,9 +194,36 @@ def _fork(name: str, t: dict) -> Fork:
     )
 
 
-def set_keys(path: Path, fork: str, values: dict[str, str | dict[str, str]]) -> None:
+def lacks_paths(where: str, value: object) -> tuple[str, ...]:
+    """A `lacks` list (forks.<name>.pypi.lacks, or port.toml's pypi.lacks, named by `where` in the error): distinct
+    plain relative paths inside the fork, none under another."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ManifestError(f"{where}: {value!r} must be a list of paths relative to the fork's root, e.g."
+                            ' lacks = ["pkg/sub/tree"]')
+    for path in value:
+        parts = path.split("/")
+        if not path or path.startswith("/") or path.endswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ManifestError(f"{where}: {path!r} is not a plain relative path inside the fork; write it as"
+                                ' "pkg/sub/tree" (no leading or trailing /, no . or .. parts)')
+    twice = sorted({v for v in value if value.count(v) > 1})
+    if twice:
+        raise ManifestError(f"{where}: {', '.join(twice)} listed twice; keep one")
+    nested = sorted(v for v in value for w in value if v != w and v.startswith(w + "/"))
+    if nested:
+        raise ManifestError(f"{where}: {', '.join(nested)} lies under another entry; keep the outer one")
+    return tuple(value)
+
+
+def lacked(fork: Fork, path: str) -> str | None:
+    """The entry of forks.<fork>.pypi.lacks that `path` (relative to the fork's root) lies under, if any."""
+    if fork.pypi is None:
+        return None
+    return next((t for t in fork.pypi.lacks if path == t or path.startswith(t + "/")), None)
+
+
+def set_keys(path: Path, fork: str, values: dict[str, str | dict[str, str | list[str]]]) -> None:
     """Set keys of the `[forks.<fork>]` table in place, keeping every other byte: strings, or inline tables of
-    strings (`pypi`)."""
+    strings and lists of strings (`pypi`)."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     header = f"[forks.{fork}]"
     try:
@@ -206,8 +243,10 @@ def set_keys(path: Path, fork: str, values: dict[str, str | dict[str, str]]) -> 
     path.write_text("".join(lines), encoding="utf-8")
 
 
-def _toml_value(value: str | dict[str, str]) -> str:
-    """A TOML string (JSON's escapes are TOML's), or an inline table of them."""
+def _toml_value(value: str | list[str] | dict[str, str | list[str]]) -> str:
+    """A TOML string (JSON's escapes are TOML's), an array of them, or an inline table of those."""
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(json.dumps(v) for v in value) + "]"
     return json.dumps(value)

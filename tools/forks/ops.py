@@ -8,11 +8,13 @@ A branch tip other than `recipe.tip` means commits that are not in the series ye
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from tools.forks import git, sources
+from tools.forks import manifest as manifest_mod
 from tools.forks import series as series_mod
 from tools.forks.manifest import Fork, Manifest
 from tools.forks.series import Series
@@ -170,7 +172,7 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
     if st.base and source in ("auto", st.source) and not force:
         set_gitlink(root, fork)
         head = off_pin(st)
-        return _back_to_pin(root, st, head) if head else f"already present ({st.source})"
+        return _back_to_pin(root, st, head) if head else f"already present ({st.source})" + _lacks_report(st)
     if st.source == "git" and source in ("auto", "git") and not force:
         # The pin moved (a pulled rebase): fetch it into the existing checkout, losing nothing.
         _require_no_local_work(st)
@@ -208,9 +210,15 @@ def sync(root: Path, fork: Fork, source: str, force: bool, index_urls: list[str]
         set_gitlink(root, fork)
         return f"synced from PyPI ({fork.pypi.file})" + (
             f" after git failed: {git_failure.splitlines()[0]}" if source == "auto" else ""
-        )
+        ) + _lacks_report(state(root, fork))
     except sources.SourceError as exc:
         raise ForkError(str(exc)) from None
+
+
+def _lacks_report(st: State) -> str:
+    """For a PyPI tree: the trees its distribution lacks compared with the pin (forks.toml's pypi.lacks)."""
+    said = sources.lacks_sentence(st.fork) if st.source == "pypi" else ""
+    return f"\n  {said}; no patch of the series may touch or import them (check enforces it)" if said else ""
 
 
 def off_pin(st: State) -> str | None:
@@ -335,9 +343,44 @@ def export(root: Path, fork: Fork, check: bool = False) -> list[str]:
 def check(root: Path, fork: Fork) -> list[str]:
     """Lint the series, and replay it onto the pin when the source is present."""
     st = state(root, fork)
-    problems = series_mod.lint(st.series, root)
+    problems = series_mod.lint(st.series, root) + lacks_problems(fork, st.series.paths())
     if st.base and not problems:
         problems += _apply_check(st)
+    return problems
+
+
+# The paths a patch names: its diff headers, renames and copies (git quotes a path with unusual characters).
+_PATCH_PATHS = re.compile(r'^(?:diff --git "?a/(.+?)"? "?b/(.+?)"?|(?:rename|copy) (?:from|to) (.+)'
+                          r'|(?:---|\+\+\+) "?[ab]/(.+?)"?)$', re.MULTILINE)
+
+
+def patch_paths(text: str) -> set[str]:
+    """The files a patch (git format-patch output) creates, changes, deletes or renames, relative to the fork."""
+    return {path for match in _PATCH_PATHS.finditer(text) for path in match.groups() if path}
+
+
+def lacks_problems(fork: Fork, patches: list[Path]) -> list[str]:
+    """Patches that need a tree the fork's PyPI distribution lacks (forks.toml's pypi.lacks): one that touches a
+    path under it, or whose added lines name it as a Python module. Such a series could not apply, or its code
+    not import, on the tree `sync` lays out from PyPI, where CI gets the fork."""
+    if fork.pypi is None or not fork.pypi.lacks:
+        return []
+    modules = {tree: re.compile(rf"\b{re.escape(tree.replace('/', '.'))}\b") for tree in fork.pypi.lacks
+               if "." not in tree.rsplit("/", 1)[-1]}
+    problems = []
+    for path in patches:
+        text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+        for touched in sorted(patch_paths(text)):
+            tree = manifest_mod.lacked(fork, touched)
+            if tree:
+                problems.append(f"{path}: touches {touched}, under {tree}, which {fork.pypi.file} lacks"
+                                f" (forks.{fork.name}.pypi.lacks); CI syncs from it, so the series must not need it")
+        added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
+        for tree, module in modules.items():
+            line = next((a.strip() for a in added if module.search(a)), None)
+            if line:
+                problems.append(f"{path}: adds {line!r}, which needs {tree}, which {fork.pypi.file} lacks"
+                                f" (forks.{fork.name}.pypi.lacks); CI syncs from it, so the series must not need it")
     return problems
 
 
@@ -371,8 +414,6 @@ def publish(root: Path, fork: Fork, remote: str, force: bool = False, dry_run: b
     if proc.returncode != 0:
         raise ForkError(f"{fork.name}: push to {remote} failed: {proc.stderr.strip()[:400]}\n"
                         "  fix: check the URL and your access; pass --force to overwrite a rebased branch")
-    from tools.forks import manifest as manifest_mod
-
     git.run(root, "config", "-f", ".gitmodules", f"submodule.{fork.path}.url", remote)
     git.run(root, "config", "-f", ".gitmodules", f"submodule.{fork.path}.branch", fork.branch)
     set_gitlink(root, fork, st.tip)

@@ -39,6 +39,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.forks import manifest as manifest_mod
 from tools.forks import series as series_mod
 from tools.forks.series import Series
 
@@ -56,7 +57,7 @@ _TOP = ("fork", "from_ref", "from", "to_ref", "to")
 _OPTIONAL_TOP = ("to_note",)  # what `to` is where it is no upstream commit (a PyPI-derived tree)
 _PATCH_KEYS = ("name", "verdict", "why")
 _SESSION_KEYS = ("started", "elapsed", "patches")
-_PYPI_KEYS = ("requirement", "file", "sha256", "note")  # forks.toml's `pypi` for the new pin (manifest.PyPISource)
+_PYPI_KEYS = ("requirement", "file", "sha256", "note", "lacks")  # forks.toml's `pypi` for the new pin (PyPISource)
 
 
 class PortError(ValueError):
@@ -97,7 +98,7 @@ class Port:
     entries: list[Entry] = field(default_factory=list)
     sessions: list[Session] = field(default_factory=list)
     to_note: str = ""
-    pypi: dict[str, str] = field(default_factory=dict)  # the new pin's PyPI source; the finish writes it
+    pypi: dict[str, str | list[str]] = field(default_factory=dict)  # the new pin's PyPI source; the finish writes it
 
     def entry(self, name: str) -> Entry:
         """The entry named `name` (with or without .patch); PortError naming the choices otherwise."""
@@ -174,7 +175,7 @@ def load(directory: Path) -> Port:
                 to_note, _pypi(path, data.get("pypi")))
 
 
-def _pypi(path: Path, table) -> dict[str, str]:
+def _pypi(path: Path, table) -> dict[str, str | list[str]]:
     """The optional [pypi] table: the distribution equal to the tree at `to`, as forks.toml's `pypi` names it."""
     if table is None:
         return {}
@@ -187,6 +188,11 @@ def _pypi(path: Path, table) -> dict[str, str]:
                         f" got {values['requirement']!r}, {values['sha256']!r}")
     if "note" in table:
         values["note"] = _string(path, "pypi.note", table["note"])
+    if "lacks" in table:
+        try:
+            values["lacks"] = list(manifest_mod.lacks_paths(f"{path}: pypi.lacks", table["lacks"]))
+        except manifest_mod.ManifestError as exc:
+            raise PortError(str(exc)) from None
     return values
 
 
@@ -257,7 +263,7 @@ def save(port: Port) -> None:
         *([f"to_note = {_quote(port.to_note)}"] if port.to_note else []),
     ]
     if port.pypi:
-        lines += ["", "[pypi]", *(f"{key} = {_quote(value)}" for key, value in port.pypi.items())]
+        lines += ["", "[pypi]", *(f"{key} = {_value(value)}" for key, value in port.pypi.items())]
     for entry in port.entries:
         lines += ["", "[[patch]]", f"name = {_quote(entry.name)}", f"verdict = {_quote(entry.verdict)}"]
         lines += [f"why = {_quote(entry.why)}"] if entry.why else []
@@ -269,6 +275,11 @@ def save(port: Port) -> None:
 
 def _top_values(port: Port) -> tuple[str, ...]:
     return port.fork, port.from_ref, port.from_, port.to_ref, port.to
+
+
+def _value(value: str | list[str]) -> str:
+    """A TOML string, or an array of them."""
+    return "[" + ", ".join(map(_quote, value)) + "]" if isinstance(value, list) else _quote(value)
 
 
 def _quote(text: str) -> str:

@@ -389,8 +389,17 @@ def _message(fork: Fork, pinned: bool) -> str:
         f"{instead}: the files of the {pin.file} distribution"
         f" (sha256 {pin.sha256}), laid out as in the upstream repository.\n"
         + (f"\n{pin.note}\n" if pin.note else "")
+        + (f"\n{lacks_sentence(fork)}\n" if pin.lacks and pinned else "")
         + f"\n{SOURCE_TRAILER}\n" + (f"Upstream-Commit: {fork.commit}\n" if pinned else "")
     )
+
+
+def lacks_sentence(fork: Fork) -> str:
+    """What the pin's distribution lacks compared with the upstream tree (forks.<name>.pypi.lacks); empty if nothing."""
+    pin = fork.pypi
+    if pin is None or not pin.lacks:
+        return ""
+    return f"{pin.file} lacks, compared with {fork.ref}: {', '.join(pin.lacks)}"
 
 
 def commit_distribution(repo: Path, fork: Fork, archive: Path, parent: str | None, pinned: bool) -> str:
