@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests.forks.conftest import commit_series, git, make_project, make_sdist
-from tests.forks.test_rebase_dry_run import BATCH, LR, SERIES, V1, V2, _upstream
+from tests.forks.conftest import Upstream, commit, commit_series, git, make_project, make_sdist
+from tests.forks.test_rebase_dry_run import BATCH, EXPECTED, LR, SERIES, TYPO, UPSTREAM_V2, V1, V2, _upstream
 from tools.forks import manifest as manifest_mod
 from tools.forks import ops, rehearsal, upgrade
+from tools.forks.series import Series
 
 DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).parents[2]
 
 # Tag lists as the upstream mirrors have them (2026).
 VERL = "v0.1 v0.1rc v0.2 v0.2.0.post1 v0.2.0.post2 v0.3.0.post0 v0.3.0.post1 v0.3.0.rc0 v0.4.0 v0.4.1 v0.5.0 v0.6.0" \
@@ -88,7 +90,7 @@ def test_forks_toml_declares_release_tags_once_with_the_version_in_them(tmp_path
     forks = manifest_mod.load(Path(__file__).parents[2]).forks
     assert forks["megatron"].release_tags == "core_v{version}" and forks["verl"].release_tags == "v{version}"
     assert {name: str(upgrade.pin_version(f)) for name, f in forks.items()} == {
-        "verl": "0.4.0", "vllm": "0.9.1", "vllm-ascend": "0.9.1", "megatron": "0.12.3", "mindspeed": "2.1.0",
+        "verl": "0.6.1", "vllm": "0.9.1", "vllm-ascend": "0.9.1", "megatron": "0.12.3", "mindspeed": "2.1.0",
         "mindspeed-llm": "2.1.0"}
     (tmp_path / "third_party/forks.toml").write_text(
         text.replace('release_tags = "core_v{version}"', 'release_tags = "core_v"'))
@@ -188,10 +190,12 @@ def test_a_run_writes_the_json_and_the_report_for_every_fork(released, capsys):
     os.umask(umask)
     for path in (upgrade.REPORT_PATH, upgrade.JSON_PATH):  # as `open` makes files, not mkstemp's 0600
         assert stat.S_IMODE((released.root / path).stat().st_mode) == 0o666 & ~umask
-    assert f"| demo | v1 | v2 | newest of 2.0 | git v2 @ {released.upstream.v2[:12]} | 2 | 1 | 2 | 2 | 1 |" \
-           f" {BATCH.removesuffix('.patch')}, {LR.removesuffix('.patch')} | {today} |" in report
-    assert f"| gitonly | v1 | v2 | newest of 2.0 | git v2 | - | - | - | - | - | 0 patches: nothing to carry |" \
-           f" {today} |" in report
+    assert re.search(re.escape(f"| demo | v1 | v2 | newest of 2.0 | git v2 @ {released.upstream.v2[:12]} | 2 | 1 | 2"
+                               f" | 2 | 1 | {BATCH.removesuffix('.patch')}, {LR.removesuffix('.patch')} | ")
+                     + r"\d+ s | " + re.escape(f"{today} |"), report)
+    assert re.search(re.escape("| gitonly | v1 | v2 | newest of 2.0 | git v2 | - | - | - | - | - | 0 patches: nothing"
+                               " to carry | ") + r"\d+ s | " + re.escape(f"{today} |"), report)
+    assert all(isinstance(t["seconds"], int) for f in doc["forks"].values() for t in f["targets"])
     assert re.search(r"demo\W+v1\W+v1\.0\.1\W+0\W+0 of 7", out)  # the cheapest-move table, printed
     assert _paths(doc) == _paths(json.loads((DATA / "upgrade.json").read_text())), \
         "the recorded upgrade.json the render tests read has the schema a run writes"
@@ -231,3 +235,163 @@ def test_targets_given_replace_the_rule_in_the_order_given():
     asked = upgrade.plan(Path("/nonexistent"), fork, 3, (["v3", "abc123", "v2"], False), [], [])
     assert [(t.name, t.version) for t in asked.targets] == [("v3", "3"), ("abc123", ""), ("v2", "2")]
     assert Version(asked.pin) == Version("1")
+
+
+def test_a_target_s_time_is_written_as_the_rebase_report_writes_times():
+    assert [upgrade.took(s) for s in (None, 0, 59, 60, 1233)] == ["-", "0 s", "59 s", "1 min 0 s", "20 min 33 s"]
+
+
+# ---------------------------------------------------------------- a PyPI target where the sdists lack a file
+
+
+CHECK = "tests/check_feature.py"  # upstream's, in git, not in its sdists (as verl's tests/special_sanity/)
+SDIST_LACKS = ("Check the feature", {"feature.py": "ON = 2\n", CHECK: "from feature import ON\nassert ON == 2\n"},
+               "The upstream check follows the feature.")
+
+
+def _upstream_with_a_test(tmp_path: Path) -> Upstream:
+    """_upstream's history, with CHECK in git from v1 on."""
+    work = tmp_path / "upstream-work"
+    work.mkdir()
+    git(work, "init", "-q")
+    v1 = commit(work, {**V1, CHECK: "assert True\n"}, "Initial import", date="2024-01-01T00:00:00Z", trailers="")
+    git(work, "tag", "v1")
+    for day, (files, subject, body) in enumerate(UPSTREAM_V2, 1):
+        commit(work, files, subject, body, date=f"2024-02-0{day}T00:00:00Z")
+    git(work, "tag", "v2")
+    bare = tmp_path / "upstream.git"
+    git(tmp_path, "clone", "-q", "--bare", str(work), str(bare))
+    return Upstream(work, bare, v1, git(work, "rev-parse", "v2"))
+
+
+def test_a_pypi_replay_leaves_out_the_files_the_sdists_lack_and_names_them(tmp_path):
+    """verl's series changes tests/special_sanity/validate_structure.py, which verl's sdists do not ship: the
+    replay onto verl==0.7.1 stopped at the pin ("does not exist in index"). It now replays the rest of that patch
+    and names the file; a git target, where the file is, replays all of it."""
+    project = make_project(tmp_path, _upstream_with_a_test(tmp_path), files=V1)  # the sdists lack CHECK
+    commit_series(project, [*SERIES, SDIST_LACKS])
+    make_sdist(project.dist, "1.1", V2)
+    fork = manifest_mod.load(project.root).forks["demo"]
+    new = "check-the-feature.patch"
+
+    r = rehearsal.rehearse(project.root, fork, "demo==1.1", [], [project.dist])
+    assert {o.patch: o.result for o in r.outcomes} == {**EXPECTED, TYPO: rehearsal.UPSTREAM, new: rehearsal.CLEAN}
+    by = {o.patch: o for o in r.outcomes}
+    assert by[new].unjudged == [CHECK] and [o.patch for o in r.outcomes if o.unjudged] == [new]
+    assert by[new].detail() == f"not in the sdists, not replayed: {CHECK}"
+    assert by[LR].needs == [BATCH]  # the left-out file does not disturb the dependences
+
+    from_git = rehearsal.rehearse(project.root, fork, "v2", [], [])
+    assert {o.patch: (o.result, o.unjudged) for o in from_git.outcomes}[new] == (rehearsal.CLEAN, [])
+
+
+def test_a_git_pin_still_refuses_a_series_that_does_not_apply(tmp_path):
+    """Leaving files out is for sdists only: on a git pin a missing file is a broken series."""
+    project = make_project(tmp_path, _upstream(tmp_path), files=V1)
+    commit_series(project, SERIES)
+    (project.patches / "check-the-feature.patch").write_text(
+        (project.patches / "add-a-feature-flag.patch").read_text().replace("feature.py", "tests/absent.py")
+        .replace("new file mode 100644\n", "").replace("--- /dev/null", "--- a/tests/absent.py"))
+    with (project.patches / "series").open("a") as series:
+        series.write("check-the-feature.patch\n")
+    fork = manifest_mod.load(project.root).forks["demo"]
+    with pytest.raises(ops.ForkError, match=r"check-the-feature\.patch does not apply to the pin"):
+        rehearsal.rehearse(project.root, fork, "v2", [], [])
+
+
+# ---------------------------------------------------------------- a fork's notes: runbook and judgement column
+
+
+def _notes_toml(patches: list[str], runbook: str = "**Runbook.** Rehearse, read, port, test.") -> str:
+    entries = "".join(f'\n[patches.{name}]\nblocks = "judgement of {name}"\nbasis = "test"\n' for name in patches)
+    return f'schema = 1\ncolumn = "what blocks it at 3+"\nrunbook = """\n{runbook}\n"""\n{entries}'
+
+
+DEMO = ["add-a-feature-flag", "fix-typo-in-helper", "scale-layer-5", "raise-the-default-batch",
+        "lower-the-learning-rate", "seed-the-run", "exclaim-in-the-readme"]
+
+
+def _notes(tmp_path: Path, text: str) -> upgrade.Notes:
+    path = tmp_path / "upgrade-notes.toml"
+    path.write_text(text)
+    return upgrade.read_notes(path, "third_party/patches/demo/upgrade-notes.toml")
+
+
+def test_notes_add_the_runbook_and_a_judgement_column_deterministically(tmp_path):
+    doc = json.loads((DATA / "upgrade.json").read_text())
+    text = upgrade.render(doc, {"demo": _notes(tmp_path, _notes_toml(DEMO))})
+    assert "## demo: each patch per target\n\n**Runbook.** Rehearse, read, port, test.\n\n" \
+           "| # | patch | v1.0.1 | v2 | demo==3.0rc1 | what blocks it at 3+ |\n" in text
+    assert "| 5 | lower-the-learning-rate | clean | **conflict** (needs 4) | upstream |" \
+           " judgement of lower-the-learning-rate |\n" in text
+    assert text.count("judgement of ") == len(DEMO)
+    # The same files give the same bytes, whatever order the notes list the patches in.
+    shuffled = _notes(tmp_path, _notes_toml(list(reversed(DEMO))))
+    assert upgrade.render(doc, {"demo": shuffled}) == text == upgrade.render(json.loads(json.dumps(doc)),
+                                                                            {"demo": shuffled})
+    # Without notes the table is as before: no column, no runbook.
+    assert upgrade.render(doc) == (DATA / "UPGRADE.md").read_text()
+
+
+def test_a_patch_without_a_judgement_fails_the_render_naming_it(tmp_path):
+    doc = json.loads((DATA / "upgrade.json").read_text())
+    missing = _notes(tmp_path, _notes_toml([p for p in DEMO if p != "scale-layer-5"]))
+    with pytest.raises(ops.ForkError, match=r"demo/upgrade-notes\.toml: no judgement for scale-layer-5\. Every patch"
+                                            r" of demo's series"):
+        upgrade.render(doc, {"demo": missing})
+    stale = _notes(tmp_path, _notes_toml([*DEMO, "a-patch-since-renamed"]))
+    with pytest.raises(ops.ForkError, match=r"judgements for patches not in the series: a-patch-since-renamed"):
+        upgrade.render(doc, {"demo": stale})
+    for broken, says in ((_notes_toml(DEMO).replace('blocks = "judgement of seed-the-run"\n', ""),
+                          r"\[patches\.seed-the-run\] needs blocks ="),
+                         (_notes_toml(DEMO).replace("schema = 1", "schema = 2"), "schema 2, not 1"),
+                         (_notes_toml(DEMO).replace("column =", "colum ="), r"write schema = 1, column =")):
+        with pytest.raises(ops.ForkError, match=says):
+            _notes(tmp_path, broken)
+
+
+def test_render_only_reads_the_fork_s_notes_beside_its_series(project, capsys):
+    (project.root / upgrade.JSON_PATH).write_text((DATA / "upgrade.json").read_text())
+    notes = project.root / "third_party/patches/demo" / upgrade.NOTES
+    notes.write_text(_notes_toml(DEMO[1:]))
+    assert project.cli("upgrade-report", "--render-only") == 2
+    assert "third_party/patches/demo/upgrade-notes.toml: no judgement for add-a-feature-flag" \
+           in capsys.readouterr().err
+    assert not (project.root / upgrade.REPORT_PATH).exists()
+    notes.write_text(_notes_toml(DEMO))
+    assert project.cli("upgrade-report", "--render-only") == 0
+    assert "| 1 | add-a-feature-flag | clean | clean | clean | judgement of add-a-feature-flag |" \
+           in (project.root / upgrade.REPORT_PATH).read_text()
+
+
+# ---------------------------------------------------------------- this repository's verl report
+
+
+def test_every_verl_patch_has_its_row_and_judgement_in_upgrade_md():
+    """UPGRADE.md as committed: upgrade.json ran on today's series, every patch has its judgement, and
+    `--render-only` reproduces the file byte for byte."""
+    manifest = manifest_mod.load(ROOT)
+    series = [name.removesuffix(".patch") for name in Series(ROOT / manifest.forks["verl"].patches).names()]
+    notes = upgrade.load_notes(manifest)["verl"]
+    assert set(notes.texts) == set(series), "third_party/patches/verl/upgrade-notes.toml: one entry per patch"
+    doc = upgrade.load(ROOT)
+    for target in doc["forks"]["verl"]["targets"]:
+        assert [p["patch"].removesuffix(".patch") for p in target["patches"]] == series, \
+            f"upgrade.json's {target['target']} ran on another series: run `python -m tools.forks upgrade-report verl`"
+    text = upgrade.render(doc, upgrade.load_notes(manifest))
+    assert text == (ROOT / upgrade.REPORT_PATH).read_text(), "run `python -m tools.forks upgrade-report --render-only`"
+    for i, name in enumerate(series, 1):
+        assert re.search(rf"^\| {i} \| {re.escape(name)} \|.* \| {re.escape(notes.texts[name])} \|$", text, re.M), name
+
+
+def test_the_verl_runbook_quotes_the_rebase_report():
+    rebase = (ROOT / "third_party/patches/verl/REBASE-v0.4.0-v0.6.1.md").read_text()
+    time, sessions = re.search(r"^- time: (.+) over (\d+) session", rebase, re.M).groups()
+    counts = dict((k, int(v)) for v, k in
+                  ((m.group(2), m.group(1)) for m in re.finditer(r"(ported|reworked|dropped|added) (\d+)",
+                                                                   rebase.splitlines()[4])))
+    replayed = len(re.findall(r"^\| \d+ \| [a-z0-9-]+\.patch \| ", rebase, re.M))
+    runbook = " ".join(upgrade.load_notes(manifest_mod.load(ROOT))["verl"].runbook.split())
+    assert f"{time} of tool time over {sessions} sessions" in runbook
+    assert f"{replayed} patches replayed from the port, 0 conflicts at the final run" in runbook
+    assert ", ".join(f"{counts[k]} {k}" for k in ("ported", "reworked", "dropped", "added")) in runbook

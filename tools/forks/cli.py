@@ -201,8 +201,10 @@ def parser() -> argparse.ArgumentParser:
             "(nothing changes): clean / 3-way / conflict / already upstream per patch. A target that\n"
             "cannot be reached is a row saying why; a fork without patches gets rows that name its\n"
             "releases. Results go to third_party/patches/upgrade.json (the forks run replace their\n"
-            "rows, the others stay), and UPGRADE.md is rendered from that file alone: --render-only\n"
-            "renders it again without network or sources. Exits 0 once both are written.\n"
+            "rows, the others stay), and UPGRADE.md is rendered from that file and the forks'\n"
+            "third_party/patches/<fork>/upgrade-notes.toml (a runbook and a judgement column; every\n"
+            "patch needs its entry there, or the render fails naming it): --render-only renders it\n"
+            "again without network or sources. Exits 0 once both are written.\n"
             "\n"
             "  python -m tools.forks upgrade-report\n"
             "  python -m tools.forks upgrade-report verl --minors 1\n"
@@ -521,7 +523,7 @@ def _say(line: str) -> None:
 def cmd_upgrade_report(args, manifest, forks) -> int:
     root = manifest.root
     if args.render_only:
-        doc = upgrade.render_only(root)
+        doc = upgrade.render_only(manifest)
     else:
         plans = upgrade.plans(root, forks, args.minors, args.targets, _indexes(args), args.find_links)
         for p in plans:

@@ -17,12 +17,15 @@ through a patch that needs it. It is told at the pin, so upstream's changes cann
 `--onto NAME==VERSION` compares two PyPI releases: the pinned and the target sdist, laid out as `sync`
 does, committed as two commits (pin, then target on top). The pin's tree comes from its sdist even when
 the fork was synced from git, so that both sides lack the same files (docs, examples) and the difference
-between them is upstream's, not the packaging's.
+between them is upstream's, not the packaging's. A patch's changes to a file the pin's sdist lacks (an
+upstream test or doc the distribution leaves out) are left out of such a replay on both sides, and named
+in the patch's detail: the sdists cannot judge them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +54,7 @@ class Outcome:
     conflicts: dict[str, list[str]] = field(default_factory=dict)  # file -> the patch's hunk headers there
     needs: list[str] = field(default_factory=list)  # left-out patches it does not apply without
     needed_by: list[str] = field(default_factory=list)  # later patches that do not apply without it
+    unjudged: list[str] = field(default_factory=list)  # files it changes that the sdists lack (PyPI replays)
 
     def detail(self, hunks: bool = True) -> str:
         """Why, conflicts and dependences; `hunks=False` counts the hunks instead of listing their headers."""
@@ -65,6 +69,8 @@ class Outcome:
             parts.append(f"needs {', '.join(self.needs)} (left out)")
         if self.needed_by:
             parts.append(f"needed by {', '.join(self.needed_by)}")
+        if self.unjudged:
+            parts.append(f"not in the sdists, not replayed: {', '.join(self.unjudged)}")
         return "; ".join(parts)
 
 
@@ -118,9 +124,9 @@ def rehearse(root: Path, fork: Fork, onto: str, index_urls: list[str], find_link
             git.init_borrowing(scratch, st.path)
             old = Base(fork.ref, st.base)
             new = Base(onto, git.resolve(st.path, onto) or rebase._fetch(scratch, fork, onto))
-        at_pin = _trees_at_pin(scratch, fork, old.commit, paths)
-        outcomes = _replay(scratch, old.commit, new.commit, paths)
-        _mark_needs(scratch, at_pin, paths, outcomes)
+        at_pin, absent = _trees_at_pin(scratch, fork, old.commit, paths, distribution=old.pypi is not None)
+        outcomes = _replay(scratch, old.commit, new.commit, paths, absent)
+        _mark_needs(scratch, at_pin, paths, outcomes, absent)
     return Rehearsal(fork.name, old, new, outcomes)
 
 
@@ -160,35 +166,57 @@ def _index_at(repo: Path, tree: str) -> Iterator[dict[str, str]]:
         yield env
 
 
-def _trees_at_pin(scratch: Path, fork: Fork, pin: str, paths: list[Path]) -> list[str]:
-    """The tree at the pin after each prefix of the series: [pin, pin + patch 1, ...]."""
+_ABSENT = re.compile(r"^error: (.+): does not exist in index$")
+
+
+def _trees_at_pin(scratch: Path, fork: Fork, pin: str, paths: list[Path],
+                  distribution: bool = False) -> tuple[list[str], list[list[str]]]:
+    """The tree at the pin after each prefix of the series ([pin, pin + patch 1, ...]), and per patch the files
+    left out of the replay: where the pin is an sdist (`distribution`), those it changes that the sdist lacks."""
+    absent: list[list[str]] = []
     with _index_at(scratch, pin) as env:
         trees = [git.out(scratch, "write-tree", env=env)]
         for path in paths:
-            proc = git.run(scratch, "apply", "--cached", str(path), env=env, check=False)
+            absent.append([])
+            while True:
+                proc = git.run(scratch, "apply", "--cached", *_excluding(absent[-1]), str(path), env=env, check=False)
+                errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+                lacking = [m.group(1) for m in map(_ABSENT.match, errors) if m]
+                if not (proc.returncode and distribution and lacking and len(lacking) == len(errors)):
+                    break
+                absent[-1] += [name for name in lacking if name not in absent[-1]]
             if proc.returncode:
                 raise ops.ForkError(f"{fork.name}: {path.name} does not apply to the pin {pin[:12]}, so a rebase"
                                     f" cannot be judged: {proc.stderr.strip()[:300]}\n  fix: make the series apply"
                                     f" to its pin first (`python -m tools.forks check {fork.name}`)")
             trees.append(git.out(scratch, "write-tree", env=env))
-    return trees
+    return trees, absent
 
 
-def _replay(scratch: Path, old: str, new: str, paths: list[Path]) -> list[Outcome]:
+def _excluding(names: list[str]) -> list[str]:
+    """`git apply`/`git am` options that leave these files out (--exclude takes a pattern: escape it)."""
+    return ["--exclude=" + re.sub(r"([\[\]*?\\])", r"\\\1", name) for name in names]
+
+
+def _replay(scratch: Path, old: str, new: str, paths: list[Path], absent: list[list[str]]) -> list[Outcome]:
     upstream = git.patch_ids_of_range(scratch, f"{old}..{new}")
     git.run(scratch, "checkout", "--quiet", "--detach", new)
     outcomes = []
-    for path in paths:
+    for path, left_out in zip(paths, absent, strict=True):
         landed = upstream.get(git.patch_id(scratch, path.read_text(encoding="utf-8")) or "")
-        outcomes.append(Outcome(path.name, UPSTREAM, f"as {landed[:12]}") if landed else _apply(scratch, path))
+        outcome = Outcome(path.name, UPSTREAM, f"as {landed[:12]}") if landed else _apply(scratch, path, left_out)
+        outcome.unjudged = list(left_out)
+        outcomes.append(outcome)
     return outcomes
 
 
-def _apply(scratch: Path, path: Path) -> Outcome:
-    """Apply one patch as `rebase` would (git am --3way); on a conflict, leave it out."""
+def _apply(scratch: Path, path: Path, left_out: list[str] | None = None) -> Outcome:
+    """Apply one patch as `rebase` would (git am --3way), less the files `left_out`; on a conflict, leave it out."""
+    excluding = _excluding(left_out or [])
     before = git.out(scratch, "rev-parse", "HEAD")
-    as_is = git.run(scratch, "apply", "--check", str(path), check=False).returncode == 0
-    proc = git.run(scratch, *ops.AM_OPTIONS, str(path), env=git.TOOL_IDENTITY, config=git.NO_SIGNING, check=False)
+    as_is = git.run(scratch, "apply", "--check", *excluding, str(path), check=False).returncode == 0
+    proc = git.run(scratch, *ops.AM_OPTIONS, *excluding, str(path), env=git.TOOL_IDENTITY, config=git.NO_SIGNING,
+                   check=False)
     if proc.returncode == 0:
         if git.out(scratch, "rev-parse", "HEAD") == before:
             return Outcome(path.name, UPSTREAM, "emptied by the replay (its change is upstream)")
@@ -196,16 +224,16 @@ def _apply(scratch: Path, path: Path) -> Outcome:
     unmerged = git.unmerged_paths(scratch)
     if git.am_in_progress(scratch):
         git.run(scratch, "am", "--abort")
-    rejected = _rejected_hunks(scratch, path)
+    rejected = _rejected_hunks(scratch, path, excluding)
     conflicts = {name: rejected.get(name, []) for name in unmerged} if unmerged else rejected
     said = (proc.stderr + proc.stdout).splitlines()
     error = "" if conflicts else next((s for s in said if s.startswith("error:")), said[-1] if said else "")
     return Outcome(path.name, CONFLICT, error, conflicts)
 
 
-def _rejected_hunks(scratch: Path, path: Path) -> dict[str, list[str]]:
+def _rejected_hunks(scratch: Path, path: Path, excluding: list[str] = ()) -> dict[str, list[str]]:
     """File -> headers of the patch's hunks that `git apply` rejects at HEAD (its .rej files); resets after."""
-    git.run(scratch, "apply", "--reject", str(path), check=False)
+    git.run(scratch, "apply", "--reject", *excluding, str(path), check=False)
     untracked = git.run(scratch, "ls-files", "--others", "-z").stdout.split("\0")
     found = {}
     for name in sorted(n for n in untracked if n.endswith(".rej")):
@@ -216,14 +244,16 @@ def _rejected_hunks(scratch: Path, path: Path) -> dict[str, list[str]]:
     return found
 
 
-def _mark_needs(scratch: Path, at_pin: list[str], paths: list[Path], outcomes: list[Outcome]) -> None:
+def _mark_needs(scratch: Path, at_pin: list[str], paths: list[Path], outcomes: list[Outcome],
+                absent: list[list[str]]) -> None:
     """Mark the later patches that do not apply at the pin once a left-out patch is taken away."""
     for i, left_out in enumerate(outcomes):
         if left_out.result != CONFLICT:
             continue
         with _index_at(scratch, at_pin[i]) as env:  # the series up to, not including, the left-out patch
-            for later, path in zip(outcomes[i + 1:], paths[i + 1:], strict=True):
-                if git.run(scratch, "apply", "--cached", str(path), env=env, check=False).returncode:
+            for later, path, lacking in zip(outcomes[i + 1:], paths[i + 1:], absent[i + 1:], strict=True):
+                if git.run(scratch, "apply", "--cached", *_excluding(lacking), str(path), env=env,
+                           check=False).returncode:
                     later.needs.append(left_out.patch)
                     left_out.needed_by.append(later.patch)
 

@@ -6,13 +6,21 @@ fork not synced: enough to show the releases of a fork without patches). Tag nam
 the fork's `release_tags` (forks.toml), the pin's version is its `ref` read the same way, or `release`.
 
 Each target is a rehearsal (`rebase --dry-run`, tools.forks.rehearsal) of the whole series. Results go to
-third_party/patches/upgrade.json; UPGRADE.md is rendered from that file alone, so the same JSON gives the
-same bytes and `--render-only` needs neither network nor sources.
+third_party/patches/upgrade.json; UPGRADE.md is rendered from that file and the forks' notes files alone, so
+the same files give the same bytes and `--render-only` needs neither network nor sources.
+
+A fork's notes file (NOTES, beside its series: third_party/patches/<fork>/upgrade-notes.toml; optional) holds the
+project's own judgement, which no replay can give: a runbook printed above the fork's per-patch table, and one
+more column of that table with a text per patch (for verl: what blocks each patch at the next releases). With a
+notes file, every patch of the rehearsed series needs its text, and every text a patch: the render fails naming
+the patches that break this.
 """
 
 from __future__ import annotations
 
 import json
+import time
+import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +34,8 @@ if TYPE_CHECKING:
     from packaging.version import Version
 
 JSON_PATH = Path("third_party/patches/upgrade.json")
+NOTES = "upgrade-notes.toml"  # in a fork's patches folder: the runbook and the judgement column (optional)
+NOTES_SCHEMA = 1
 REPORT_PATH = Path("third_party/patches/UPGRADE.md")
 SCHEMA = 1
 DEFAULT_MINORS = 3
@@ -199,12 +209,15 @@ Track = Callable[[list, Callable[[object], str]], Iterable]
 
 
 def run(root: Path, plans: list[Plan], index_urls: list[str], find_links: list[Path], today: str,
-        track: Track = lambda jobs, label: jobs) -> dict[str, dict]:
-    """Try every planned target (through `track`, a progress display); returns upgrade.json's fork entries."""
+        track: Track = lambda jobs, label: jobs, clock: Callable[[], float] = time.monotonic) -> dict[str, dict]:
+    """Try every planned target (through `track`, a progress display); returns upgrade.json's fork entries,
+    each target's with `seconds`, the wall time its replay took (fetching the sdist or tag included)."""
     jobs = [(p, t) for p in plans for t in p.targets]
     tried: dict[str, list[dict]] = {p.fork.name: [] for p in plans}
     for p, target in track(jobs, lambda job: f"{job[0].fork.name} {job[1].name}"):
-        tried[p.fork.name].append(try_target(root, p.fork, target, index_urls, find_links, today))
+        started = clock()
+        entry = try_target(root, p.fork, target, index_urls, find_links, today)
+        tried[p.fork.name].append({**entry, "seconds": round(clock() - started)})
     return {p.fork.name: _fork_entry(root, p, tried[p.fork.name]) for p in plans}
 
 
@@ -238,20 +251,69 @@ def write(manifest: Manifest, entries: dict[str, dict]) -> dict:
     merged = {**earlier, **entries}
     doc = {"schema": SCHEMA, "forks": {name: merged[name] for name in manifest.forks if name in merged}}
     rehearsal.replace_file(root / JSON_PATH, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
-    rehearsal.replace_file(root / REPORT_PATH, render(doc))
+    try:
+        text = render(doc, load_notes(manifest))
+    except ops.ForkError as exc:  # the replays are kept: only the render needs doing again
+        raise ops.ForkError(f"{exc}\n{JSON_PATH} is written, {REPORT_PATH} is not: fix that, then run"
+                            " `python -m tools.forks upgrade-report --render-only`") from None
+    rehearsal.replace_file(root / REPORT_PATH, text)
     return doc
 
 
-def render_only(root: Path) -> dict:
-    doc = load(root)
-    rehearsal.replace_file(root / REPORT_PATH, render(doc))
+def render_only(manifest: Manifest) -> dict:
+    doc = load(manifest.root)
+    rehearsal.replace_file(manifest.root / REPORT_PATH, render(doc, load_notes(manifest)))
     return doc
+
+
+@dataclass(frozen=True)
+class Notes:
+    """A fork's notes file: the project's judgement per patch, and the runbook above its table."""
+
+    path: str  # as named in errors, relative to the repository root
+    column: str  # the judgement column's header
+    texts: dict[str, str]  # patch name (no .patch) -> its cell
+    runbook: str = ""  # Markdown, printed above the fork's per-patch table
+
+
+def load_notes(manifest: Manifest) -> dict[str, Notes]:
+    """The notes files of the manifest's forks that have one (NOTES in their patches folder), by fork name."""
+    found = {}
+    for name, fork in manifest.forks.items():
+        path = Path(fork.patches) / NOTES
+        if (manifest.root / path).is_file():
+            found[name] = read_notes(manifest.root / path, str(path))
+    return found
+
+
+def read_notes(path: Path, shown: str) -> Notes:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ops.ForkError(f"{shown}: not TOML ({exc})") from None
+    if data.get("schema") != NOTES_SCHEMA:
+        raise ops.ForkError(f"{shown}: schema {data.get('schema')!r}, not {NOTES_SCHEMA}")
+    unknown = sorted(set(data) - {"schema", "column", "runbook", "patches"})
+    column, runbook, patches = data.get("column"), data.get("runbook", ""), data.get("patches", {})
+    if unknown or not isinstance(column, str) or not column.strip() or not isinstance(runbook, str) \
+            or not isinstance(patches, dict):
+        raise ops.ForkError(f"{shown}: write schema = {NOTES_SCHEMA}, column = \"<header>\", optionally runbook ="
+                            " \"\"\"<Markdown>\"\"\", and a [patches.<name>] table per patch"
+                            + (f" (unknown keys: {', '.join(unknown)})" if unknown else ""))
+    texts = {}
+    for name, entry in patches.items():
+        text = entry.get("blocks") if isinstance(entry, dict) else None
+        if not isinstance(text, str) or not text.strip() or not isinstance(entry.get("basis"), str):
+            raise ops.ForkError(f"{shown}: [patches.{name}] needs blocks = \"<judgement>\" and basis ="
+                                " \"<where it comes from>\"")
+        texts[name.removesuffix(".patch")] = " ".join(text.split())  # one table cell
+    return Notes(shown, column.strip(), texts, runbook.strip())
 
 
 # ---------------------------------------------------------------- the report
 
 COLUMNS = ("fork", "pin", "target", "picked as", "source", "clean", "3-way", "conflict", "upstream",
-           "needs left-out", "conflicting patches", "checked")
+           "needs left-out", "conflicting patches", "took", "checked")
 
 
 def rows(doc: dict) -> list[tuple[str, ...]]:
@@ -261,7 +323,7 @@ def rows(doc: dict) -> list[tuple[str, ...]]:
         pin = f["pin"]["ref"]
         if not f["targets"]:
             why = f["error"] or f"no release newer than {f['pin']['version']} in {f['targets_from']}"
-            table.append((name, pin, "-", "-", "-", *["-"] * 5, f"no target: {why}", "-"))
+            table.append((name, pin, "-", "-", "-", *["-"] * 5, f"no target: {why}", "-", "-"))
         for t in f["targets"]:
             if t["status"] == REHEARSED:
                 counts = [str(t["counts"][key]) for key in (*RESULTS, NEEDING)]
@@ -269,8 +331,16 @@ def rows(doc: dict) -> list[tuple[str, ...]]:
                 note = conflicts or "none"
             else:
                 counts, note = ["-"] * 5, t["why"] if t["status"] == NOTHING else f"unreachable: {t['why']}"
-            table.append((name, pin, t["target"], t["picked"], t["source"], *counts, note, t["date"]))
+            table.append((name, pin, t["target"], t["picked"], t["source"], *counts, note, took(t.get("seconds")),
+                          t["date"]))
     return table
+
+
+def took(seconds: int | None) -> str:
+    """A target's wall time as the rebase report writes times ("20 min 33 s"); "-" where a run did not record it."""
+    if seconds is None:
+        return "-"
+    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
 
 
 def cheapest(doc: dict) -> list[tuple[str, ...]]:
@@ -302,11 +372,14 @@ def _table(header: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
             *("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in body)]
 
 
-def _matrix(f: dict) -> list[str]:
-    """Each patch (rows) on each rehearsed target (columns); a patch needing a left-out one names its number."""
+def _matrix(name: str, f: dict, notes: Notes | None = None) -> list[str]:
+    """Each patch (rows) on each rehearsed target (columns); a patch needing a left-out one names its number.
+    With the fork's notes, their column last; every patch needs its text and every text a patch."""
     done = [t for t in f["targets"] if t["status"] == REHEARSED]
     names = [p["patch"] for p in done[0]["patches"]]
     number = {patch: str(i) for i, patch in enumerate(names, 1)}
+    if notes:
+        _check_notes(name, [_short(n) for n in names], notes)
     body = []
     for i, patch in enumerate(names):
         cells = []
@@ -314,19 +387,36 @@ def _matrix(f: dict) -> list[str]:
             p = t["patches"][i]
             needs = f" (needs {', '.join(number[n] for n in p['needs'])})" if p["needs"] else ""
             cells.append(SHORT[p["result"]] + needs)
+        if notes:
+            cells.append(notes.texts[_short(patch)])
         body.append((str(i + 1), _short(patch), *cells))
-    return _table(("#", "patch", *(t["target"] for t in done)), body)
+    return _table(("#", "patch", *(t["target"] for t in done), *([notes.column] if notes else [])), body)
 
 
-def render(doc: dict) -> str:
+def _check_notes(fork: str, patches: list[str], notes: Notes) -> None:
+    missing = [p for p in patches if p not in notes.texts]
+    stale = sorted(set(notes.texts) - set(patches))
+    if missing or stale:
+        parts = ([f"no judgement for {', '.join(missing)}"] if missing else []) \
+            + ([f"judgements for patches not in the series: {', '.join(stale)}"] if stale else [])
+        raise ops.ForkError(f"{notes.path}: {'; '.join(parts)}. Every patch of {fork}'s series (as upgrade.json"
+                            f" recorded it) needs a [patches.<name>] entry there, and only those: add or rename the"
+                            f" entries, or run `python -m tools.forks upgrade-report {fork}` again after the series"
+                            " changed")
+
+
+def render(doc: dict, notes: dict[str, Notes] | None = None) -> str:
+    """UPGRADE.md from upgrade.json's document and the forks' notes (by fork name): the same input, the same bytes."""
+    notes = notes or {}
     lines = [
         "# Upgrade report: our series on upstream's next releases",
         "",
-        "Written by `nox -s upgrade-report` (`python -m tools.forks upgrade-report`) from `upgrade.json`;"
-        " `python -m tools.forks upgrade-report --render-only` writes it again from that file. Each target is"
-        " `python -m tools.forks rebase <fork> --onto <target> --dry-run`: the whole series replayed in a scratch"
-        " repository, nothing changed. Patches are named by their file in third_party/patches/<fork>/, less"
-        " `.patch`.",
+        "Written by `nox -s upgrade-report` (`python -m tools.forks upgrade-report`) from `upgrade.json` and, for a"
+        f" fork that has one, `<fork>/{NOTES}` (a runbook above its per-patch table and the project's judgement per"
+        " patch, in the table's last column); `python -m tools.forks upgrade-report --render-only` writes it again"
+        " from those files. Each target is `python -m tools.forks rebase <fork> --onto <target> --dry-run`: the"
+        " whole series replayed in a scratch repository, nothing changed; \"took\" is its wall time. Patches are"
+        " named by their file in third_party/patches/<fork>/, less `.patch`.",
         "",
         "## Cheapest move per fork",
         "",
@@ -346,7 +436,8 @@ def render(doc: dict) -> str:
     ]
     for name, f in doc["forks"].items():
         if any(t["status"] == REHEARSED for t in f["targets"]):
-            lines += [f"## {name}: each patch per target", "", *_matrix(f), ""]
+            runbook = [notes[name].runbook, ""] if name in notes and notes[name].runbook else []
+            lines += [f"## {name}: each patch per target", "", *runbook, *_matrix(name, f, notes.get(name)), ""]
     lines += [rehearsal.LEGEND, ""]
     return "\n".join(lines)
 
