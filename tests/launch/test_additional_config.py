@@ -1,4 +1,4 @@
-"""actor_rollout_ref.rollout.engine_kwargs.vllm (verl 0.4.0 passes it to vllm.LLM) and its additional_config
+"""actor_rollout_ref.rollout.engine_kwargs.vllm (verl 0.6.1 passes it to vllm.LLM) and its additional_config
 (read by vLLM-Ascend): the A3 profiles carry the TorchAir / ascend-scheduler / DP-sync settings, cpu-tiny none,
 and config.load refuses what vLLM-Ascend would refuse on the cluster, naming the field and the fix."""
 
@@ -38,13 +38,13 @@ def test_a3_profiles_pass_the_engine_checks_in_graph_mode(name):
 
 @pytest.mark.parametrize("name", A3)
 def test_the_profiles_derive_the_graph_settings_instead_of_repeating_them(name):
-    """enabled follows recipe.rollout.torchair_graph; graph_batch_sizes and the engine's max_num_seqs follow
-    rollout.max_num_seqs, also in the verl config the launcher writes."""
+    """enabled follows recipe.rollout.torchair_graph; graph_batch_sizes follows rollout.max_num_seqs (which verl
+    passes to the engine), also in the verl config the launcher writes."""
     cfg = load(name, "actor_rollout_ref.rollout.max_num_seqs=32")
     settings = config.vllm_engine_settings(cfg)
     assert settings.torchair.graph_batch_sizes == (32,)
     verl = config.verl_config(cfg, config.verl_base()).actor_rollout_ref.rollout.engine_kwargs.vllm
-    assert verl.max_num_seqs == 32 and list(verl.additional_config.torchair_graph_config.graph_batch_sizes) == [32]
+    assert "max_num_seqs" not in verl and list(verl.additional_config.torchair_graph_config.graph_batch_sizes) == [32]
     assert verl.additional_config.torchair_graph_config.enabled is True
     # the switch alone turns graph mode off; what needs graph mode is then refused, each key named
     with pytest.raises(config.ConfigError, match="recipe.rollout.torchair_graph=true") as err:
@@ -56,7 +56,7 @@ def test_the_profiles_derive_the_graph_settings_instead_of_repeating_them(name):
 def test_cpu_tiny_gets_nothing_vllm_ascend_specific():
     cfg = config.load(TINY).cfg
     assert config.value(cfg, f"{ENGINE}.additional_config") is None
-    assert config.value(cfg, f"{ENGINE}.max_num_seqs") == config.value(cfg, "actor_rollout_ref.rollout.max_num_seqs")
+    assert config.value(cfg, f"{ENGINE}.max_num_seqs") is None
     assert config.vllm_engine_settings(cfg) == config.AscendEngine()
 
 
@@ -104,8 +104,8 @@ def test_kv_nz_needs_prefill_and_decode_apart(override):
     ([f"{SCHED}.enabled=2"], rf"{SCHED}\.enabled must be true or false"),
     (["actor_rollout_ref.rollout.enforce_eager=true"], rf"{GRAPH}\.enabled needs .*enforce_eager=false"),
     ([f"{GRAPH}.enabled=false"], rf"{GRAPH}\.graph_batch_sizes needs enabled"),
-    ([f"{ENGINE}.max_num_seqs=32"], rf"{ENGINE}\.max_num_seqs = 32 differs from .*max_num_seqs = 64"),
-    ([f"{ENGINE}.max_num_seqs=null"], rf"{GRAPH}\.graph_batch_sizes is sized for .* set {ENGINE}\.max_num_seqs="),
+    # verl 0.6.1 passes rollout.max_num_seqs to vllm.LLM itself: a second one stops the engine
+    ([f"{ENGINE}.max_num_seqs=64"], rf"{ENGINE}\.max_num_seqs: verl 0.6.1 passes .*rollout\.max_num_seqs.*remove"),
 ])
 def test_combinations_vllm_ascend_refuses_stop_here(overrides, match):
     with pytest.raises(config.ConfigError, match=match):

@@ -62,7 +62,6 @@ BROKEN = [
      "chunked_prefill=False"),
     ([R + "max_num_seqs=32"], R + "max_num_seqs", "32 vs 8192 / 128 engines = 64"),
     ([R + "gpu_memory_utilization=1.2"], R + "gpu_memory_utilization", "1.2"),
-    ([R + "free_cache_engine=true"], R + "free_cache_engine", "free_cache_engine=True"),
     (["data.train_batch_size=500", A + "ppo_mini_batch_size=500"], "data.train_batch_size", "8000 % 128 engines"),
     ([R + "n=1"], R + "n", "n=1"),
     (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward", "use_kl_in_reward=True"),

@@ -35,7 +35,7 @@ VERL_CONFIG = "verl/trainer/config/ppo_megatron_trainer.yaml"
 # verl's trainer config per actor strategy: its main_ppo picks the worker classes from the same key
 VERL_CONFIGS = {"megatron": VERL_CONFIG, "fsdp": "verl/trainer/config/ppo_trainer.yaml",
                 "fsdp2": "verl/trainer/config/ppo_trainer.yaml"}
-ENGINE_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"  # verl 0.4.0 passes it to vllm.LLM(**...)
+ENGINE_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"  # verl 0.6.1 passes it to vllm.LLM(**...)
 # Where a key may be new to verl: `launch:`, `recipe:` (typed by RecipeSettings) and vLLM's engine arguments (each
 # checked by vllm_engine_settings).
 EXTENSION_PREFIXES = ("launch.", "recipe.", ENGINE_KWARGS + ".")
@@ -342,9 +342,12 @@ TORCHAIR = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.torch
 ASCEND_SCHEDULER = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.ascend_scheduler_config"
 DP_SYNC_ON_DEVICE = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.dp_sync_on_device"
 MAX_NUM_SEQS = "actor_rollout_ref.rollout.max_num_seqs"
-# engine_kwargs.vllm keys: verl's own (swap_space) and those the recipe sets. verl 0.4.0 passes each non-null one to
+# engine_kwargs.vllm keys: verl's own (swap_space) and those the recipe sets. verl 0.6.1 passes each non-null one to
 # vllm.LLM, where a typo would fail only on the cluster.
-ENGINE_KWARGS_KEYS = ("swap_space", "max_num_seqs", "enable_expert_parallel", "additional_config")
+ENGINE_KWARGS_KEYS = ("swap_space", "enable_expert_parallel", "additional_config")
+# vllm.LLM arguments verl 0.6.1's vLLMRollout passes from the rollout config itself: also in engine_kwargs, the
+# engine stops with "multiple values for keyword argument" (vllm_rollout_spmd.py)
+ROLLOUT_PASSES = {"max_num_seqs": MAX_NUM_SEQS}
 # What vLLM-Ascend 0.9.1 reads from additional_config (vllm_ascend/ascend_config.py: AscendConfig.__init__, and
 # "refresh" in init_ascend_config); dp_sync_on_device is our series' (third_party/patches/CHANGES.md (i)).
 # tests/vllm_ascend/test_recipe_additional_config.py keeps these lists equal to the fork's source.
@@ -426,26 +429,22 @@ def torchair_settings(cfg: DictConfig) -> TorchairGraph:
 def vllm_engine_settings(cfg: DictConfig) -> AscendEngine:
     """engine_kwargs.vllm and its additional_config, checked here so that a bad key or value stops the launch
     instead of a vLLM-Ascend engine on the cluster."""
-    engine = settings_block(cfg, ENGINE_KWARGS, ENGINE_KWARGS_KEYS) or {}
-    max_seqs = value(cfg, MAX_NUM_SEQS)
-    if engine.get("max_num_seqs") is not None and engine["max_num_seqs"] != max_seqs:
-        raise ConfigError(f"{ENGINE_KWARGS}.max_num_seqs = {engine['max_num_seqs']!r} differs from {MAX_NUM_SEQS}"
-                          f" = {max_seqs!r}, which preflight sizes the engines with: set it to"
-                          f" ${{{MAX_NUM_SEQS}}}")
+    engine = settings_block(cfg, ENGINE_KWARGS, (*ENGINE_KWARGS_KEYS, *ROLLOUT_PASSES)) or {}
+    for key, home in ROLLOUT_PASSES.items():
+        if engine.get(key) is not None:
+            raise ConfigError(f"{ENGINE_KWARGS}.{key}: verl 0.6.1 passes {home} to vLLM itself, and vLLM refuses"
+                              f" the argument twice; remove {ENGINE_KWARGS}.{key} and set {home}")
     if settings_block(cfg, ADDITIONAL_CONFIG, ASCEND_CONFIG_KEYS) is None:
         return AscendEngine()
     t = torchair_settings(cfg)
-    _check_graph_mode(cfg, t, engine.get("max_num_seqs"))
+    _check_graph_mode(cfg, t)
     on = _ascend_scheduler(cfg, t)
     dp_sync = _flag(DP_SYNC_ON_DEVICE, value(cfg, DP_SYNC_ON_DEVICE, False))
     return AscendEngine(t, on, dp_sync)
 
 
-def _check_graph_mode(cfg: DictConfig, t: TorchairGraph, engine_max_seqs) -> None:
-    """What graph mode needs outside torchair_graph_config: the engine's max_num_seqs, its switch, no eager."""
-    if t.graph_batch_sizes and engine_max_seqs is None:
-        raise ConfigError(f"{TORCHAIR}.graph_batch_sizes is sized for {MAX_NUM_SEQS}, but verl 0.4.0 does not pass"
-                          f" that to vLLM (its default is 256): set {ENGINE_KWARGS}.max_num_seqs=${{{MAX_NUM_SEQS}}}")
+def _check_graph_mode(cfg: DictConfig, t: TorchairGraph) -> None:
+    """What graph mode needs outside torchair_graph_config: its switch, no eager."""
     switch = value(cfg, "recipe.rollout.torchair_graph")
     if switch is not None and switch != t.enabled:
         raise ConfigError(f"{TORCHAIR}.enabled = {t.enabled} but recipe.rollout.torchair_graph = {switch}: set"
@@ -529,7 +528,7 @@ def unknown_keys(cfg: DictConfig, base: DictConfig) -> list[str]:
         if key.startswith(TRANSFORMER_OVERRIDES):
             if key.split(".")[4] not in transformer_config_fields():
                 out.append(key)
-        elif not _has_key(base, key):
+        elif not has_key(base, key):
             out.append(key)
     return out
 
@@ -586,7 +585,7 @@ def check_series(cfg: DictConfig, base: DictConfig) -> None:
         raise ConfigError(f"{problems[0].field}: {problems[0].message}{more}")
 
 
-def _has_key(base: DictConfig, key: str) -> bool:
+def has_key(base: DictConfig, key: str) -> bool:
     """Whether verl's config has the key: with a value, as a block (a recipe's empty `model_config: {}`), or as
     a mandatory value verl leaves to the user (`???`, e.g. verl 0.6's rollout.name)."""
     parent, _, name = key.rpartition(".")

@@ -49,8 +49,6 @@ KEY: dict[str, str] = {
     "max_num_batched_tokens": "actor_rollout_ref.rollout.max_num_batched_tokens",
     "chunked_prefill": "actor_rollout_ref.rollout.enable_chunked_prefill",
     "max_model_len": "actor_rollout_ref.rollout.max_model_len",
-    "enforce_eager": "actor_rollout_ref.rollout.enforce_eager",
-    "free_cache_engine": "actor_rollout_ref.rollout.free_cache_engine",
     # the batch
     "train_batch": "data.train_batch_size",
     "n": "actor_rollout_ref.rollout.n",
@@ -71,7 +69,7 @@ KEY: dict[str, str] = {
     "checkpoints.save_freq": "trainer.save_freq",
     "checkpoints.keep": "trainer.max_actor_ckpt_to_keep",
     "checkpoints.dir": "recipe.checkpoints.dir",
-    "checkpoints.contents": "actor_rollout_ref.actor.checkpoint.contents",
+    "checkpoints.contents": "actor_rollout_ref.actor.checkpoint.save_contents",
     # what the step time depends on besides the layout (config.Recipe.rollout)
     "rollout.tensor_cache": "actor_rollout_ref.tensor_cache.enable",
     "rollout.reshard_experts": "actor_rollout_ref.rollout.reshard.experts",

@@ -29,7 +29,7 @@ class Checkpoints:
     dir: str | None  # recipe.checkpoints.dir: a directory every node mounts; None: <run dir>/checkpoints
     write_gb_per_s: float  # recipe.checkpoints.write_gb_per_s
     step_s: float | None  # recipe.checkpoints.step_s: the step time the cadence was chosen for
-    contents: tuple[str, ...]  # actor_rollout_ref.actor.checkpoint.contents
+    contents: tuple[str, ...]  # actor_rollout_ref.actor.checkpoint.save_contents
 
     @property
     def saves(self) -> bool:
@@ -68,8 +68,6 @@ class Layout:
     max_num_batched_tokens: int
     chunked_prefill: bool
     max_model_len: int | None
-    enforce_eager: bool
-    free_cache_engine: bool
     # batch
     train_batch: int
     n: int
@@ -155,7 +153,6 @@ def from_config(cfg: DictConfig, settings: RecipeSettings | None = None) -> Layo
         gpu_memory_utilization=float(v("gpu_memory_utilization", 0.5)), max_num_seqs=int(v("max_num_seqs", 1024)),
         max_num_batched_tokens=int(v("max_num_batched_tokens", 8192)),
         chunked_prefill=bool(v("chunked_prefill", False)), max_model_len=v("max_model_len"),
-        enforce_eager=bool(v("enforce_eager", True)), free_cache_engine=bool(v("free_cache_engine", True)),
         train_batch=int(v("train_batch")), n=int(v("n", 1)), mini_batch=int(v("mini_batch")),
         micro_batch=int(v("micro_batch") or 1), ref_micro_batch=v("ref_micro_batch"),
         rollout_logprob_micro_batch=v("rollout_logprob_micro_batch"),

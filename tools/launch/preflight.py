@@ -124,10 +124,6 @@ def rollout_checks(lay: Layout, dims: Dims) -> list[Check]:
            "max_num_seqs >= sequences per engine", lay.max_num_seqs * lay.engines >= lay.sequences),
         _c("memory fraction", KEY["gpu_memory_utilization"], lay.gpu_memory_utilization,
            "0 < gpu_memory_utilization <= 1", 0 < lay.gpu_memory_utilization <= 1),
-        _c("graph mode keeps its cache", KEY["free_cache_engine"],
-           f"enforce_eager={lay.enforce_eager}, free_cache_engine={lay.free_cache_engine}",
-           "graph mode (enforce_eager False) => free_cache_engine False (verl 0.4.0 asserts it)",
-           lay.enforce_eager or not lay.free_cache_engine),
     ]
 
 
