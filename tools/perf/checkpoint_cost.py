@@ -1,10 +1,12 @@
 """What a run's checkpoints cost: size, write time, disk and the share of the run spent saving. Pure arithmetic.
 
-verl 0.4.0's Megatron checkpoint (verl/utils/checkpoint/megatron_checkpoint_manager.py) writes, per checkpoint:
-- "model": torch.save of each rank's model.state_dict(), the bf16 weights, once per parameter (2 bytes);
-- "optimizer": Megatron's DistributedOptimizer.save_parameter_state, the fp32 master weight and Adam's exp_avg and
-  exp_avg_sq (12 bytes), gathered to and written by DP rank 0 of each group, so once per parameter;
-- "extra": each rank's RNG states, plus the HF config and tokenizer; the trainer adds data.pt (the dataloader);
+verl 0.6.1's Megatron checkpoint (verl/utils/checkpoint/megatron_checkpoint_manager.py) hands one sharded state
+dict to Megatron's dist_checkpointing, which writes each shard once, from the rank that owns it:
+- "model": the bf16 weights, once per parameter (2 bytes);
+- "optimizer": the distributed optimizer's fp32 master weight and Adam's exp_avg and exp_avg_sq (12 bytes), once
+  per parameter, and the LR scheduler's state;
+- "extra": each rank's RNG states, plus the HF config and tokenizer; the trainer adds data.pt
+  (the dataloader);
 - "hf_model" (not in the default contents): a whole HF copy of the weights (2 bytes per parameter more).
 The extras are kilobytes per rank and megabytes for the tokenizer: EXTRA_BYTES bounds them, so the size is the
 parameter count times the bytes of the contents. Write time assumes the filesystem's bandwidth is the limit
@@ -23,7 +25,7 @@ GB, TB = 1e9, 1e12
 # by verl's checkpoint.contents entry; "optimizer" is memory.ADAM_BYTES
 BYTES_PER_PARAM = {"model": 2, "optimizer": 12, "hf_model": 2}
 EXTRA_BYTES = 0.1 * GB  # RNG states of every rank, HF config + tokenizer (~10 MB), data.pt: an upper bound
-DEFAULT_CONTENTS = ("model", "optimizer", "extra")  # verl 0.4.0's actor checkpoint.contents
+DEFAULT_CONTENTS = ("model", "optimizer", "extra")  # verl 0.6.1's actor checkpoint.save_contents
 
 
 def checkpoint_bytes(dims: Dims, contents: tuple[str, ...] = DEFAULT_CONTENTS) -> float:

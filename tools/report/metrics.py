@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PHASES = ("rollout", "old_log_prob", "ref", "reward", "adv", "update", "reshard", "offload")
-# verl 0.4.0's timing_s/<name> keys (ray_trainer._timer) for our phase names; reshard and offload come from our
-# forks (timing_s/reshard, timing_s/offload) and are 0 until then.
+# verl's timing_s/<name> keys (ray_trainer's marked_timer; the same names since 0.4.0) for our phase names; reshard
+# and offload come from our forks (timing_s/reshard, timing_s/offload) and are 0 until then.
 VERL_TIMERS = {"rollout": "gen", "old_log_prob": "old_log_prob", "ref": "ref", "reward": "reward", "adv": "adv",
                "update": "update_actor", "reshard": "reshard", "offload": "offload"}
 
