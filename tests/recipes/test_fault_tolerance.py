@@ -44,7 +44,7 @@ STEPS = MEGATRON_STEPS
 # reward, which scores as the straight run's counting one does
 OVERRIDES = CHECKPOINTED
 # every logged loss, reward, advantage, length and KL of a step; timings, memory and sync byte counts vary
-COMPARED = ("actor/", "critic/", "response_length/", "prompt_length/", "training/rollout_logprob_diff")
+COMPARED = ("actor/", "critic/", "response_length/", "prompt_length/", "rollout_corr/")
 PEERS = r"( \(then rank\(s\) [\d, ]+\))?: stopping the job"  # the ranks whose collectives failed after it
 RESUME = re.compile(r"^  (\S+ -m tools\.launch .* --resume \S+)$", re.M)
 

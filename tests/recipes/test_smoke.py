@@ -39,15 +39,15 @@ def _ray_processes(since: float = 0.0) -> dict[int, list[str]]:
     return found
 
 
-# rollout (vLLM, bf16) versus the update's own forward (Megatron, bf16) on the sampled tokens, per step. The mean is
-# the check: 0.0105-0.0130 over 3 steps from the warm start, on two machines (0.005-0.007 from random weights; fp32
-# gives 1e-4: tests/verl/test_megatron_matches_hf.py); before the grouped-routing fix the two models routed
-# differently, 0.06. The max is one token of a peaked distribution, where bf16 moves a small probability's log by
-# a lot: 0.57-2.47 from the warm start, so its bound only refuses wild values; the mean is what discriminates.
-# A step has some 170 sampled tokens, so one such token moves the mean by up to 0.015: a run on megatron-core
-# 0.12.3 gave 0.0129, then 0.0226 at a step whose max was 2.29. The bound, 0.03, still refuses the 0.06 of a
-# routing mismatch.
-LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX = 0.03, 5.0
+# rollout (vLLM, bf16) versus the update's own forward (Megatron, bf16) on the sampled tokens, per step, as verl 0.6.1
+# reports it (rollout_corr/*): per sequence, the mean log-prob of the rollout minus the update's; the check is the
+# mean of its absolute value. From the warm start: 0.003-0.008 over this run's 3 steps (16 sequences), 0.006-0.013 over
+# 3 steps of the smoke's 128 sequences. One sequence can be far off (a peaked distribution, where bf16 moves a small
+# probability's log by a lot: 0.59 for one of 128), which at 16 sequences moves the mean by up to 0.04: so the bound,
+# 0.05, is there for an integration error (log-probs not of the sampled tokens, say), not for bf16's noise. A routing
+# mismatch (Megatron without grouped routing) gave 0.022-0.027 at 128 sequences, inside the bound:
+# tests/verl/test_megatron_matches_hf.py holds the two models' log-probs together in fp32 instead.
+LOGPROB_DIFF_SEQ, LOGPROB_DIFF_SEQ_MAX = 0.05, 5.0
 
 
 @pytest.fixture(scope="module", params=["megatron", "fsdp"])
@@ -127,9 +127,9 @@ def test_the_megatron_path_ran_with_the_tensorcache_and_the_directed_sync(run):
         assert values["rollout/weight_sync_bytes"] > 0 and values["rollout/weight_sync_tensors"] > 0
         # after every update, loading verl's gather path over the directed sync changes no vLLM parameter
         assert values["rollout/weight_sync_mismatches"] == 0 and values["rollout/weight_sync_checked"] > 100, step
-        # the manual lifecycle's steps, each timed in the workers (the reshard without the verification's export)
-        for phase in ("onload", "reshard", "offload_params", "init_kv_cache", "free_kv_cache", "offload_weights",
-                      "verify_sync"):
+        # the manual lifecycle's steps, each timed in the workers (the reshard without the verification's export);
+        # verl 0.6.1's rollout_mode offloads the Megatron params itself, between the weights and the KV cache
+        for phase in ("onload", "reshard", "init_kv_cache", "free_kv_cache", "offload_weights", "verify_sync"):
             assert values[f"timing_s/rollout_{phase}"] >= 0, (step, phase)
         assert values["timing_s/rollout_reshard"] > 0
         assert values["timing_s/reshard"] > 0 and values["timing_s/offload"] > 0  # the recipe's metric lines read these
@@ -152,6 +152,6 @@ def test_the_kv_cache_left_and_came_back_every_step(run):
 def test_rollout_and_update_log_probs_agree_within_the_bound(run):
     rows = json.loads((run["run_dir"] / "summary.json").read_text())
     for r in rows:
-        assert 0 < r["logprob diff mean"] <= LOGPROB_DIFF_MEAN, r
-        assert r["logprob diff mean"] <= r["logprob diff max"] <= LOGPROB_DIFF_MAX, r
-    assert "logprob diff max" in run["proc"].stdout, "the summary table shows the log-prob columns"
+        assert 0 < r["logprob diff |seq|"] <= LOGPROB_DIFF_SEQ, r
+        assert abs(r["logprob diff seq max"]) <= LOGPROB_DIFF_SEQ_MAX, r
+    assert "logprob diff |seq|" in run["proc"].stdout, "the summary table shows the log-prob columns"

@@ -48,16 +48,16 @@ def test_table_carries_the_a3_metric_lines(tmp_path):
 
 
 def test_the_log_prob_drift_sync_check_and_kv_cache_get_columns_where_logged(tmp_path):
-    drift = {**VERL_STEP, "training/rollout_logprob_diff_max": 0.4, "training/rollout_logprob_diff_mean": 0.06,
+    drift = {**VERL_STEP, "rollout_corr/log_ppl_diff_max": 0.4, "rollout_corr/log_ppl_abs_diff": 0.06,
              "rollout/weight_sync_mismatches": 0.0, "rollout/kv_cache_freed_mib": 1024.0,
              "rollout/kv_cache_mib": 1024.0, "rollout/kv_cache_freed_rss_mib": 1020.5}
     with_drift, without = summary.table([summary.Step(1, drift), summary.Step(2, VERL_STEP)], samples=8, cards=2,
                                         dies_per_card=1)
-    got = (with_drift["logprob diff max"], with_drift["logprob diff mean"], with_drift["sync mismatches"])
+    got = (with_drift["logprob diff seq max"], with_drift["logprob diff |seq|"], with_drift["sync mismatches"])
     assert got == (0.4, 0.06, 0)
-    assert "logprob diff max" not in without  # the FSDP path logs no drift: no column of NaNs
+    assert "logprob diff |seq|" not in without  # a path that logs no drift: no column of NaNs
     text = summary.render([with_drift, without], tmp_path, tmp_path / "tb")
-    assert "logprob diff max" in text and "sync mismatches" in text and "checks per step" in text
+    assert "logprob diff seq max" in text and "sync mismatches" in text and "checks per step" in text
     assert "kv freed (MiB)" in text and "kv freed rss (MiB)" in text and "1020.5" in text  # headers whole, one line
     assert "logprob diff" not in summary.render([without], tmp_path, tmp_path / "tb")  # no empty columns
 

@@ -61,10 +61,12 @@ def throughput(step: Step, samples: int, cards: int, dies_per_card: int) -> list
     return metrics.report(stats, cards, dies_per_card)
 
 
-# Columns of metrics that only some paths log (verl series): the rollout-versus-update log-prob drift and the weight
-# sync's checksum, where the rollout returns its log-probs and the sync is verified.
-OPTIONAL_COLUMNS = (("logprob diff max", "training/rollout_logprob_diff_max"),
-                    ("logprob diff mean", "training/rollout_logprob_diff_mean"),
+# Columns of metrics that only some paths log: the rollout-versus-update log-prob drift, where the rollout returns its
+# log-probs (verl's rollout_corr metrics, trainer/ppo/rollout_corr_helper.py: per sequence, the mean log-prob of the
+# rollout minus the update's), and the weight sync's checksum, where the sync is verified (verl series).
+OPTIONAL_COLUMNS = (("logprob diff |seq|", "rollout_corr/log_ppl_abs_diff"),
+                    ("logprob diff seq max", "rollout_corr/log_ppl_diff_max"),
+                    ("rollout kl", "rollout_corr/kl"),
                     ("sync mismatches", "rollout/weight_sync_mismatches"),
                     # the manual lifecycle on vLLM: the KV cache freed after the rollout, re-created before the next
                     ("kv freed (MiB)", "rollout/kv_cache_freed_mib"),
