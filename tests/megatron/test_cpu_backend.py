@@ -128,7 +128,7 @@ def _model_worker(rank, port, world, tp, ep, hf_dir, ckpt, ref_file, results):
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
-    from verl.models.mcore.model_forward import gptmodel_forward
+    from verl.models.mcore.registry import get_mcore_forward_fn
     from verl.models.mcore.weight_converter import McoreToHFWeightConverterDpskv3
 
     from tools.weights.io import ShardedReader
@@ -177,9 +177,10 @@ def _model_worker(rank, port, world, tp, ep, hf_dir, ckpt, ref_file, results):
             attention_mask[b, :n] = True
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         labels = torch.roll(input_ids, -1, dims=1)
-        logits = gptmodel_forward(
-            model, input_ids, attention_mask, position_ids, sequence_parallel=config.sequence_parallel
-        )
+        # the Megatron actor's packed forward (v0.6.1 picks it per architecture and pads for sequence parallelism
+        # from Megatron's TP size itself; gptmodel_forward(sequence_parallel=...) before)
+        forward = get_mcore_forward_fn(hf_config)
+        logits = forward(model, input_ids, attention_mask, position_ids, multi_modal_inputs={})
         token_loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float().contiguous(), labels)
         loss = (token_loss * attention_mask).sum() / attention_mask.sum()
         loss.backward()

@@ -4,10 +4,11 @@ live in the fork's tests/trainer/ppo/.
 
 - Megatron's ActorRolloutRefWorker normalises the batch sizes with Megatron's DP size on 2 gloo ranks, the ref's
   sizes included when the ref shares the worker, and builds the ref as a ref.
-- One worker group for actor, rollout and ref (`actor_rollout_ref.ref.share_actor_worker`): verl's own trainer and
-  Ray single controller on a local Ray cluster with fake GPUs and a tiny fake worker class in place of the Megatron
-  worker (no model), showing that one worker group with role "actor_rollout_ref" is spawned and that the trainer's
-  ref call (`ref_policy_wg.compute_ref_log_prob`) is served by the same worker objects as the actor's calls.
+- One worker group for actor, rollout and ref (`actor_rollout_ref.ref.share_actor_worker`): verl's own roles
+  (main_ppo's TaskRunner methods), trainer and Ray single controller on a local Ray cluster with fake GPUs and a
+  tiny fake worker class in place of the Megatron worker (no model), showing that one worker group with role
+  "actor_rollout_ref" is spawned and that the trainer's ref call (`ref_policy_wg.compute_ref_log_prob`) is served
+  by the same worker objects as the actor's calls.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _config(*overrides: str, strategy: str = "megatron"):
     import verl
     from omegaconf import OmegaConf
 
-    name = "ppo_megatron_trainer.yaml" if strategy == "megatron" else "ppo_trainer.yaml"
+    # v0.6.1's trainer yamls are Hydra defaults only; the generated files are their flat renderings
+    name = "_generated_ppo_megatron_trainer.yaml" if strategy == "megatron" else "_generated_ppo_trainer.yaml"
     base = OmegaConf.load(Path(verl.__file__).parent / "trainer/config" / name)
     # 8 GPUs, TP2 x PP2 -> DP 2; 16 prompts x 4 samples; mini-batch of 8 prompts -> 16 sequences per rank
     sizes = [
@@ -119,19 +121,12 @@ SAME_LAYOUT = [
 ]
 
 
-def _main_ppo_mapping(worker_cls=object, kl=True):
-    """The role mapping main_ppo builds (GRPO with a KL loss: actor-rollout, critic, ref), pool names included."""
-    from verl.trainer.ppo.ray_trainer import Role
-
-    roles = [Role.ActorRollout, Role.Critic] + ([Role.RefPolicy] if kl else [])
-    return {r: worker_cls for r in roles}, {r: "global_pool" for r in roles}
-
-
 def _build_models_in_shared_worker(rank, port, results):
     """Megatron's ActorRolloutRefWorker with role actor_rollout_ref builds the actor and then the ref through
     _build_model_optimizer. Model construction itself needs a device (the provider calls .cuda()), so
-    get_model, the weight loader, the optimizer, the HF/TF config step and the device memory log are replaced by
-    recorders: what is checked is which branch each call takes and what it returns."""
+    make_megatron_module, the weight loader, the optimizer and its scheduler, the training hooks, the HF/TF config
+    step and the device memory log are replaced by recorders: what is checked is which branch each call takes and
+    what it returns."""
     import torch.distributed as dist
     import verl.utils.megatron.optimizer as optimizer
     import verl.utils.megatron_utils as megatron_utils
@@ -144,14 +139,17 @@ def _build_models_in_shared_worker(rank, port, results):
     parallel_state.initialize_model_parallel(1, 1)
     try:
         built = []
-        megatron_utils.get_model = lambda *a, wrap_with_ddp=True, **kw: (
-            built.append(wrap_with_ddp) or [f"module{len(built)}"]
+        # v0.6.1 builds both models by make_megatron_module (get_model before), imported at call time
+        megatron_utils.make_megatron_module = lambda wrap_config, **kw: (
+            built.append(wrap_config.wrap_with_ddp) or [f"module{len(built)}"]
         )
-        megatron_utils.init_megatron_optim_config = lambda c: c
+        optimizer.init_megatron_optim_config = lambda c, **kw: c
         optimizer.get_megatron_optimizer = lambda model, config: f"optimizer of {model[0]}"
+        optimizer.get_megatron_optimizer_param_scheduler = lambda optimizer, config: f"scheduler of {optimizer}"
         model_utils.get_generation_config = lambda path: None
         model_utils.print_model_size = lambda m: None
         workers.load_megatron_gptmodel_weights = lambda *a, **kw: None
+        workers.register_megatron_training_hooks = lambda *a, **kw: None  # hooks on the DDP buffers the fakes lack
         workers.log_gpu_memory_usage = lambda *a, **kw: None  # reads device memory counters that CPU lacks
 
         def fake_hf_tf_config(self, *args, **kwargs):
@@ -161,6 +159,7 @@ def _build_models_in_shared_worker(rank, port, results):
                 "/nowhere",
                 False,
             )
+            self.bridge = None  # no mbridge: verl's own converter path
 
         workers.ActorRolloutRefWorker._init_hf_config_and_tf_config = fake_hf_tf_config
         arr = _config(
@@ -181,15 +180,16 @@ def _build_models_in_shared_worker(rank, port, results):
 def test_the_shared_megatron_worker_builds_the_ref_as_a_ref():
     stack.require("megatron.core")
     got = run_processes(_build_models_in_shared_worker, 1)[0]
-    assert got["actor"] == (["module1"], "optimizer of module1", "hf", {})
-    # before the series, the ref call took the actor branch too (a DDP-wrapped model with an optimizer, four
+    assert got["actor"] == (["module1"], "optimizer of module1", "scheduler of optimizer of module1", "hf", {})
+    # before the series, the ref call took the actor branch too (a DDP-wrapped model with an optimizer, five
     # values for the caller's two: ValueError in init_model)
     assert got["ref"] == (["module2"], "hf") and got["ddp"] == [True, False]
 
 
 # verl's single controller on a local Ray cluster. The worker class is a stand-in for ActorRolloutRefWorker that
 # holds no model: it records its role and which worker object serves each call. Everything else is verl's own:
-# RayPPOTrainer (__init__ with its config validation, init_workers), create_colocated_worker_cls, RayWorkerGroup.
+# TaskRunner's role and pool methods, RayPPOTrainer (__init__ with its config validation, init_workers),
+# create_colocated_worker_cls, RayWorkerGroup.
 
 
 class FakeActorRolloutRefWorker(Worker):
@@ -242,12 +242,30 @@ def local_ray():
     ray.shutdown()
 
 
+def _main_ppo_roles(config, pool: str):
+    """The roles, pools and resource pool manager as v0.6.1's TaskRunner.run builds them, its share hook
+    (colocated_ref.assign_roles) included, after init_resource_pool_mgr: the manager must see the hook's changes to
+    the mapping. The pool is renamed to `pool` (Ray placement group names must differ within one cluster)."""
+    from verl.trainer.main_ppo import TaskRunner
+
+    runner = TaskRunner()
+    actor_rollout_cls, _ = runner.add_actor_rollout_worker(config)
+    runner.add_critic_worker(config)
+    runner.add_ref_policy_worker(config, actor_rollout_cls)
+    manager = runner.init_resource_pool_mgr(config)
+    colocated_ref.assign_roles(config, runner.role_worker_mapping, runner.mapping)
+    manager.resource_pool_spec = {pool: manager.resource_pool_spec.pop("global_pool")}
+    runner.mapping.update(dict.fromkeys(runner.mapping, pool))
+    assert manager.mapping is runner.mapping
+    return runner, manager
+
+
 def _trainer(pool: str, *overrides):
     """verl's RayPPOTrainer for 2 fake GPUs (DP 2, GRPO with a KL loss), the roles as main_ppo assigns them; `pool`
     names the resource pool (Ray placement group names must differ within one cluster)."""
     import ray
     from verl.single_controller.ray import RayWorkerGroup
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     config = _config(
         "trainer.n_gpus_per_node=2",
@@ -261,15 +279,15 @@ def _trainer(pool: str, *overrides):
         "data.dataloader_num_workers=0",
         *overrides,
     )
-    workers, pools = _main_ppo_mapping(ray.remote(FakeActorRolloutRefWorker))  # GRPO: the trainer leaves the critic out
-    pools = dict.fromkeys(pools, pool)
-    colocated_ref.assign_roles(config, workers, pools)  # main_ppo's hook
+    runner, manager = _main_ppo_roles(config, pool)
+    # the stand-in serves every role main_ppo assigned (GRPO: the trainer leaves the critic out)
+    workers = dict.fromkeys(runner.role_worker_mapping, ray.remote(FakeActorRolloutRefWorker))
     rows = [{"responses": torch.tensor([i, i + 1])} for i in range(4)]
     trainer = RayPPOTrainer(
         config=config,
         tokenizer=None,
         role_worker_mapping=workers,
-        resource_pool_manager=ResourcePoolManager(resource_pool_spec={pool: [2]}, mapping=pools),
+        resource_pool_manager=manager,
         ray_worker_group_cls=RayWorkerGroup,
         train_dataset=rows,
         val_dataset=rows,

@@ -34,6 +34,16 @@ def model(tmp_path_factory):
     )
 
 
+def _hf_rollout(module, config):
+    """verl 0.6.1's HFRollout no longer instantiates: BaseRollout makes resume/update_weights/release abstract and
+    takes (config, model_config, device_mesh) (the registered 'hf' rollout is the fork's HFEngineRollout). Its
+    generate path is unchanged: run it on the module and config its old constructor set."""
+    cls = type("HFRollout", (hf_rollout.HFRollout,), dict.fromkeys(("resume", "update_weights", "release"), None))
+    rollout = cls.__new__(cls)
+    rollout.config, rollout.module = config, module
+    return rollout
+
+
 def _config(**kw):
     base = dict(
         do_sample=True,
@@ -81,8 +91,9 @@ def _teacher_forced(model, out, temperature, top_k):
 @pytest.mark.parametrize("temperature, top_k, n", [(1.0, 0, 1), (0.7, 20, 2)])
 def test_rollout_log_probs_equal_a_teacher_forced_forward(model, temperature, top_k, n):
     torch.manual_seed(0)
-    rollout = hf_rollout.HFRollout(model, _config(temperature=temperature, top_k=top_k, n=n))
-    out = rollout.generate_sequences(_prompts()).batch
+    rollout = _hf_rollout(model, _config(temperature=temperature, top_k=top_k, n=n))
+    # v0.6.1's fit loop repeats each prompt rollout.n times before the rollout, which samples one response a row
+    out = rollout.generate_sequences(_prompts().repeat(repeat_times=n, interleave=True)).batch
     got = out["rollout_log_probs"]
     assert got.dtype == torch.float32 and got.shape == (4 * n, RESPONSE)
     valid = out["attention_mask"][:, -RESPONSE:].bool()
@@ -94,7 +105,7 @@ def test_rollout_log_probs_equal_a_teacher_forced_forward(model, temperature, to
 
 
 def test_greedy_validation_log_probs_are_the_plain_softmax(model):
-    rollout = hf_rollout.HFRollout(model, _config())
+    rollout = _hf_rollout(model, _config())
     prompts = _prompts()
     prompts.meta_info.update(validate=True, do_sample=False)  # what verl's trainer sends for validation
     out = rollout.generate_sequences(prompts).batch
@@ -105,5 +116,5 @@ def test_greedy_validation_log_probs_are_the_plain_softmax(model):
 
 
 def test_no_rollout_log_probs_unless_asked(model):
-    out = hf_rollout.HFRollout(model, _config(calculate_log_probs=False)).generate_sequences(_prompts())
+    out = _hf_rollout(model, _config(calculate_log_probs=False)).generate_sequences(_prompts())
     assert "rollout_log_probs" not in out.batch.keys()

@@ -1,14 +1,24 @@
-"""rollout.name=hf on the Megatron worker (verl series, sharding_manager/megatron_hf.py): on gloo with Megatron's
-parallel state (TP2 x PP2, 4 processes) and a fake Megatron DeepSeek-V3 model sharded from a make_tiny
-checkpoint, verl's real McoreToHFWeightConverterDpskv3 and the directed or gather generator fill every weight
-of each rank's HFRolloutEngine with the checkpoint's values, and the checksum verification against the
-actor's gather-path export finds nothing. A sync broken on purpose (one expert left stale, one TP shard
-swapped, the router bias not sent) is reported by name."""
+"""rollout.name=hf on the Megatron worker (verl series: rollout/hf_engine_rollout.py, fed by the worker's weight
+generator, reshard/weight_sync.py, and checked by rollout/sync_report.py): on gloo with Megatron's parallel state
+(TP2 x PP2, 4 processes) and a fake Megatron DeepSeek-V3 model sharded from a make_tiny checkpoint, the real
+ActorRolloutRefWorker builds its HFEngineRollout through verl's registry, and its rollout_mode, with verl's real
+McoreToHFWeightConverterDpskv3 and the directed or gather generator, fills every weight of each rank's
+HFRolloutEngine with the checkpoint's values; verify_weight_sync's check against the actor's gather-path export
+finds nothing. A sync broken on purpose (one expert left stale, one TP shard swapped, the router bias not sent)
+is reported by name.
+
+Left to the fork's tests: the refusal of rollout.data_parallel_size>1 with rollout.name=hf
+(tests/workers/rollout/test_hf_engine_rollout.py::test_layouts_the_hf_rollout_cannot_serve_are_refused_naming_the_key),
+and the worker's build of a parked HF rollout on one rank
+(tests/workers/test_megatron_hf_rollout.py::test_the_worker_builds_the_hf_rollout_and_feeds_it_every_step); the
+build here checks the trainer's defaults on top (bf16 weights, verify_weight_sync off)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,8 +28,11 @@ import torch.distributed as dist
 from tests.gloo import run_processes
 from tests.verl.conftest import owner_of, require
 
-megatron_hf = require("verl.workers.sharding_manager.megatron_hf")
+megatron_workers = require("verl.workers.megatron_workers")
 hf_engine = require("verl.workers.rollout.hf_engine")
+require("verl.workers.rollout.hf_engine_rollout")  # what rollout.name=hf builds (registered as ("hf", "sync"))
+sync_report = require("verl.workers.rollout.sync_report")
+weight_sync = require("verl.utils.reshard.weight_sync")
 mpu = require("megatron.core.parallel_state")
 weight_converter = require("verl.models.mcore.weight_converter")
 
@@ -118,10 +131,42 @@ def fake_model(shards) -> torch.nn.Module:
     return root
 
 
-def _sync(manager):
-    with manager:
-        pass  # __enter__ syncs (and verifies), __exit__ offloads the engine
-    return list(manager.last_mismatches)
+def hf_worker(path: str, model, hf_config, tf_config, converter, tp_pp: str):
+    """The real ActorRolloutRefWorker without its Megatron build (the fake model stands in for the actor's): the
+    HF rollout from its own _build_rollout, then what init_model sets for the sync, with verify_weight_sync on."""
+    from omegaconf import OmegaConf
+
+    verl_dir = Path(megatron_workers.__file__).parents[1]
+    config = OmegaConf.load(verl_dir / "trainer/config/_generated_ppo_megatron_trainer.yaml").actor_rollout_ref
+    config.rollout.update(name="hf", tensor_model_parallel_size=1)
+    config.model.update(path=path, load_tokenizer=False)
+    worker = megatron_workers.ActorRolloutRefWorker.__new__(megatron_workers.ActorRolloutRefWorker)
+    worker._Worker__dispatch_dp_rank, worker._Worker__collect_dp_rank = {}, {}
+    worker._world_size, worker._rank = dist.get_world_size(), dist.get_rank()
+    worker._is_actor, worker._is_rollout, worker._is_offload_param = True, True, False
+    worker.config, worker.bridge, worker.actor = config, None, SimpleNamespace(actor_module=[model])
+    worker.actor_model_config, worker.weight_converter, worker.tf_config = hf_config, converter, tf_config
+    worker.layer_name_mapping = LAYER_NAME_MAPPING
+    worker._build_rollout()  # ends in trainer_mode: the engine's weights are released until the first rollout
+    worker.weight_generator = weight_sync.weight_generator_for({"tp_pp": tp_pp}, [model], transformer_config=tf_config)
+    reshard = weight_sync.reshard_of(worker.weight_generator)
+    worker.sync_report = sync_report.SyncReport(worker.rollout, reshard, export=worker._gather_export, verify=True)
+    return worker
+
+
+def train(model) -> None:
+    """The actor's step: every parameter moves, and so does the router's expert bias (Megatron updates it each
+    step), so a tensor not re-sent is stale, also where the onload's fresh buffer may get the last sync's memory."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.add_(0.25)
+
+
+def _sync(worker) -> list[str]:
+    """One rollout_mode / trainer_mode pair, as verl's sync rollout makes them; what the check named."""
+    asyncio.run(worker.rollout_mode())
+    asyncio.run(worker.trainer_mode())
+    return list(worker.sync_report.last_mismatches)
 
 
 def _worker(rank, port, path, tp_pp, results):
@@ -143,6 +188,7 @@ def _worker(rank, port, path, tp_pp, results):
         model = fake_model(megatron_shards(hf, stage, 2, config.first_k_dense_replace, 2, tp_rank))
         tf_config = SimpleNamespace(
             pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=None,
             num_layers=4,
             num_layers_in_first_pipeline_stage=2,
             num_layers_in_last_pipeline_stage=2,
@@ -151,48 +197,51 @@ def _worker(rank, port, path, tp_pp, results):
         converter = weight_converter.McoreToHFWeightConverterDpskv3(
             config, SimpleNamespace(num_moe_experts=config.n_routed_experts)
         )
-        engine = hf_engine.HFRolloutEngine(config, dtype=torch.bfloat16)
-        manager = megatron_hf.MegatronHFShardingManager(
-            [model], engine, config, tf_config, LAYER_NAME_MAPPING, converter, reshard={"tp_pp": tp_pp}, verify=True
-        )
-        out = {"parked_empty": all(engine.tensor(n).numel() == 0 for n in engine.weight_names())}
+        worker = hf_worker(path, model, config, tf_config, converter, tp_pp)
+        rollout, report = worker.rollout, worker.sync_report
+        engine = rollout.engine
+        out = {
+            "built": type(rollout).__name__,
+            "defaults": (worker.config.rollout.verify_weight_sync, engine.tensor("lm_head.weight").dtype),
+            "parked_empty": all(engine.tensor(n).numel() == 0 for n in engine.weight_names()),
+        }
 
         # a sound sync: every engine weight written with the checkpoint's value, nothing reported
-        manager.lifecycle.enter_rollout(manager.weights)
-        out["good"] = list(manager.last_mismatches)
+        asyncio.run(worker.rollout_mode())
+        out["good"] = list(report.last_mismatches)
         out["differ"] = [
             n for n in engine.weight_names() if not torch.equal(engine.tensor(n), hf[n].to(engine.tensor(n).dtype))
         ]
-        out["bytes"] = manager.engine.last_sync_bytes
+        out["bytes"] = engine.last_sync_bytes
         out["want_bytes"] = sum(t.numel() * t.element_size() for t in hf.values())
-        out["metrics"] = dict(manager.metrics)  # __enter__ sets the byte metrics; checked below through a with block
+        out["metrics"] = report.step_metrics()  # what update_actor reports with the step
         stale = engine.tensor(STALE).clone()
-        manager.lifecycle.exit_rollout()
+        asyncio.run(worker.trainer_mode())
         out["offloaded"] = all(engine.tensor(n).numel() == 0 for n in engine.weight_names())
-        _sync(manager)
-        out["with_metrics"] = dict(manager.metrics)
 
-        # the actor trains on: every parameter moves, so a tensor not re-sent is stale
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.25)
-        good = manager.weight_generator
+        good = worker.weight_generator
 
         def broken(fix):
-            manager.weight_generator = lambda *args: (fix(n, t) for n, t in good(*args) if fix(n, t) is not None)
+            train(model)
+            worker.weight_generator = lambda *args: (fix(n, t) for n, t in good(*args) if fix(n, t) is not None)
 
         broken(lambda n, t: (n, stale) if n == STALE else (n, t))
-        out["stale"] = _sync(manager)
+        out["stale"] = _sync(worker)
         broken(lambda n, t: (n, torch.cat(t.chunk(2, 1)[::-1], 1)) if n == SWAPPED else (n, t))
-        out["swapped"] = _sync(manager)
-        broken(lambda n, t: None if n == BIAS else (n, t))
+        out["swapped"] = _sync(worker)
+
+        def no_bias(n, t):
+            return None if n == BIAS else (n, t)
+
+        broken(no_bias)
         try:
-            _sync(manager)
+            _sync(worker)
         except hf_engine.WeightSyncError as exc:
             out["strict"] = str(exc)
-            manager.lifecycle.state = "parked"
+            rollout.lifecycle.state = "parked"  # the refused load stopped rollout_mode before the KV cache step
         engine.load_weights = functools.partial(type(engine).load_weights, engine, strict=False)  # let the check see it
-        out["unsent"] = _sync(manager)
+        broken(no_bias)  # the next step's sync, the bias left out again
+        out["unsent"] = _sync(worker)
         results[rank] = out
     finally:
         mpu.destroy_model_parallel()
@@ -208,62 +257,37 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("tp_pp", ["directed", "gather"])
-def test_megatron_to_hf_sync_fills_every_weight_and_catches_a_broken_one(tiny, tp_pp):
+@pytest.fixture(scope="module", params=["directed", "gather"])
+def synced(request, tiny):
     # spawn, not fork: Megatron's parallel state in a child forked from a process that already ran a
     # process group (tests/megatron does, in this pytest process) can hang in initialize_model_parallel
-    results = run_processes(_worker, 4, tiny, tp_pp)
+    return request.param, run_processes(_worker, 4, tiny, request.param)
+
+
+def test_megatron_to_hf_sync_fills_every_weight_and_catches_a_broken_one(synced):
+    tp_pp, results = synced
     for rank, r in sorted(results.items()):
+        assert r["built"] == "HFEngineRollout" and r["defaults"] == (False, torch.bfloat16), (rank, r["defaults"])
         assert r["parked_empty"] and r["offloaded"], rank
         assert r["good"] == [] and r["differ"] == [], (rank, r["good"][:5], r["differ"][:5])
         assert r["bytes"] == r["want_bytes"], rank
-        assert r["with_metrics"]["rollout/weight_sync_bytes"] == r["want_bytes"]
-        assert r["with_metrics"]["rollout/weight_sync_mismatches"] == 0
-        assert r["with_metrics"]["rollout/weight_sync_checked"] == r["with_metrics"]["rollout/weight_sync_tensors"]
+        assert r["metrics"]["rollout/weight_sync_bytes"] == r["want_bytes"]
+        assert r["metrics"]["rollout/weight_sync_mismatches"] == 0
+        assert r["metrics"]["rollout/weight_sync_checked"] == r["metrics"]["rollout/weight_sync_tensors"]
+        assert r["metrics"]["rollout/weight_sync_directed_tp_pp"] == float(tp_pp == "directed")
         assert r["stale"] == [STALE], rank
         assert r["swapped"] == [SWAPPED], rank
         assert BIAS in r["strict"] and "unwritten" in r["strict"], rank
+
+
+def test_the_check_names_the_router_bias_a_lenient_sync_left_out(synced):
+    _, results = synced
+    for rank, r in sorted(results.items()):
         assert r["unsent"] == [BIAS], rank
 
 
-def test_rollout_data_parallel_is_refused():
-    with pytest.raises(ValueError, match=r"rollout.data_parallel_size=2 with rollout.name=hf"):
-        megatron_hf.MegatronHFShardingManager([], None, None, None, LAYER_NAME_MAPPING, None, rollout_dp=2)
-
-
-def test_checksum_sees_moved_blocks():
+def test_checksum_sees_a_dtype_change():
+    # equal copies and moved blocks: the fork's tests/workers/rollout/test_sync_report.py
+    # ::test_checksum_is_of_the_raw_bytes_and_sees_a_swapped_block
     t = torch.randn(4, 6)
-    assert megatron_hf.tensor_checksum(t) == megatron_hf.tensor_checksum(t.clone())
-    assert megatron_hf.tensor_checksum(t) != megatron_hf.tensor_checksum(torch.cat(t.chunk(2, 1)[::-1], 1))
-    assert megatron_hf.tensor_checksum(t) != megatron_hf.tensor_checksum(t.to(torch.bfloat16))
-
-
-def test_the_worker_hook_builds_a_parked_hf_rollout(tiny):
-    from omegaconf import OmegaConf
-    from transformers import AutoConfig
-    from verl.workers.rollout.hf_rollout import HFRollout
-
-    from tests.gloo import single_rank_model_parallel
-
-    config = OmegaConf.load(
-        os.path.join(os.path.dirname(megatron_hf.__file__), "../../trainer/config/ppo_megatron_trainer.yaml")
-    )
-    config.actor_rollout_ref.rollout.name = "hf"
-    hf_config = AutoConfig.from_pretrained(tiny)
-    tf_config = SimpleNamespace(pipeline_model_parallel_size=1, num_layers=4, num_moe_experts=8)
-    with single_rank_model_parallel():
-        rollout, manager = megatron_hf.build_hf_rollout(
-            config.actor_rollout_ref.rollout,
-            hf_config,
-            tf_config,
-            [torch.nn.Module()],
-            LAYER_NAME_MAPPING,
-            None,
-            offload_params=False,
-        )
-    assert isinstance(rollout, HFRollout) and rollout.module is manager.engine.model
-    assert manager.lifecycle.state == "parked" and not manager.verify
-    assert (
-        manager.engine.tensor("lm_head.weight").numel() == 0
-        and manager.engine.tensor("lm_head.weight").dtype == torch.bfloat16
-    )
+    assert sync_report.tensor_checksum(t) != sync_report.tensor_checksum(t.to(torch.bfloat16))

@@ -25,7 +25,7 @@ def _worker(rank, port, hf_dir, ckpt, unchecked, results):
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
     from verl.models.mcore import config_converter as cc
-    from verl.models.mcore.model_forward import gptmodel_forward
+    from verl.models.mcore.registry import get_mcore_forward_fn
 
     from tests.megatron.test_cpu_backend import build_model
 
@@ -41,7 +41,9 @@ def _worker(rank, port, hf_dir, ckpt, unchecked, results):
     mask[1, 17:] = False  # a shorter sequence: packed like verl's update forward
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        mcore = gptmodel_forward(model.eval(), ids, mask, pos, sequence_parallel=False).float().log_softmax(-1)
+        # the forward the Megatron actor runs (v0.6.1: per architecture, packed; gptmodel_forward before)
+        forward = get_mcore_forward_fn(hf_config)
+        mcore = forward(model.eval(), ids, mask, pos, multi_modal_inputs={}).float().log_softmax(-1)
         ref = hf(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits.float().log_softmax(-1)
     diff = (mcore - ref).abs()[mask]
     results[0] = {"max": diff.max().item(), "mean": diff.mean().item()}

@@ -1,9 +1,11 @@
-"""The directed weight sync into vLLM's own DeepSeek model (verl series: sharding_manager/megatron_vllm.py, the
-manual lifecycle's VLLMManualEngine; vllm series: the CPU engine). Four gloo processes hold a fake Megatron
-DeepSeek-V3 at TP2 x PP2 sharded from a make_tiny checkpoint, and each builds vLLM 0.9.1's V1 CPU engine as verl's
-SPMD rollout does (external launcher): two instances of DP2 x TP1 with expert parallel, so each rank serves 4 of
-the 8 routed experts. The directed TP/PP and expert generators feed `DeepseekV2ForCausalLM.load_weights` on every
-rank after the manual lifecycle's onload, whose buffers the test fills with NaN first.
+"""The directed weight sync into vLLM's own DeepSeek model (verl series: the worker's generator from
+reshard/weight_sync.py's weight_generator_for, the manual lifecycle's RolloutLifecycle over VLLMManualEngine in
+rollout/rollout_lifecycle.py; vllm series: the CPU engine). Four gloo processes hold a fake Megatron DeepSeek-V3 at
+TP2 x PP2 sharded from a make_tiny checkpoint, and each builds vLLM 0.9.1's V1 CPU engine as verl's SPMD rollout
+does (external launcher): two instances of DP2 x TP1 with expert parallel, so each rank serves 4 of the 8 routed
+experts. The directed TP/PP and expert generators feed `DeepseekV2ForCausalLM.load_weights` on every rank in the
+calls the worker's rollout_mode / trainer_mode make (resume weights, update_weights, resume kv_cache, release),
+the fresh buffers of the resume filled with NaN first.
 
 Checked against the checkpoint itself, by an independent name mapping: every vLLM parameter is written and equals
 its HF tensor (fused gate/up, w13/w2 expert stacks, the router bias included), and each local expert slot holds the
@@ -26,8 +28,8 @@ from tests.verl.test_megatron_hf_sync_gloo import LAYER_NAME_MAPPING, fake_model
 require("vllm.v1.worker.cpu_worker")
 mpu = require("megatron.core.parallel_state")
 weight_converter = require("verl.models.mcore.weight_converter")
-megatron_vllm = require("verl.workers.sharding_manager.megatron_vllm")
-rollout_lifecycle = require("verl.workers.sharding_manager.rollout_lifecycle")
+weight_sync = require("verl.utils.reshard.weight_sync")
+rollout_lifecycle = require("verl.workers.rollout.rollout_lifecycle")
 plan = require("verl.utils.reshard.plan")
 experts = require("verl.utils.reshard.experts")
 dp_groups = require("verl.workers.rollout.vllm_rollout.dp_groups")
@@ -92,14 +94,16 @@ def check_model(model, hf: dict) -> dict:
             "params": sum(1 for _ in model.parameters())}
 
 
-def _load(engine, manager, hf) -> dict:
-    engine.onload_weights()
+def _load(lifecycle, generator, args, hf) -> dict:
+    """One sync in the calls of the worker's rollout_mode, checked before trainer_mode's release."""
+    lifecycle.resume(["weights"])
     with torch.no_grad():
-        for p in engine.model.parameters():
+        for p in lifecycle.engine.model.parameters():
             p.fill_(float("nan"))  # what a missed parameter keeps
-    engine.load_weights(manager.weight_generator(*manager._generator_args()))
-    out = check_model(engine.model, hf)
-    engine.offload_weights()
+    lifecycle.update_weights(generator(*args))
+    out = check_model(lifecycle.engine.model, hf)
+    lifecycle.resume(["kv_cache"])
+    lifecycle.release()
     return out
 
 
@@ -139,10 +143,15 @@ def _worker(rank, port, path, dp_port, results):
         config = AutoConfig.from_pretrained(path)
         stage, tp_rank = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
         model = fake_model(train_shards(hf, stage, config.first_k_dense_replace, tp_rank))
-        tf_config = SimpleNamespace(pipeline_model_parallel_size=2, num_layers=4, num_layers_in_first_pipeline_stage=2,
+        tf_config = SimpleNamespace(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+                                    num_layers=4, num_layers_in_first_pipeline_stage=2,
                                     num_layers_in_last_pipeline_stage=2, num_moe_experts=config.n_routed_experts)
         converter = weight_converter.McoreToHFWeightConverterDpskv3(
             config, SimpleNamespace(num_moe_experts=config.n_routed_experts))
+        # what the worker's init_model picks for these settings (rollout instances of DP2 x TP1)
+        generator = weight_sync.weight_generator_for({"tp_pp": "directed", "experts": "directed"}, [model],
+                                                     transformer_config=tf_config, rollout_dp=2, rollout_tp=1)
+        args = ([model], config, converter, tf_config, LAYER_NAME_MAPPING)
 
         from verl.workers.rollout.vllm_rollout.dp_groups import dp_env
         from vllm import LLM
@@ -151,16 +160,13 @@ def _worker(rank, port, path, dp_port, results):
         llm = LLM(model=path, load_format="dummy", dtype="bfloat16", distributed_executor_backend="external_launcher",
                   tensor_parallel_size=1, enable_expert_parallel=True, enforce_eager=True, max_model_len=64,
                   max_num_seqs=4, max_num_batched_tokens=64, seed=0, enable_prefix_caching=False)
-        engine = rollout_lifecycle.VLLMManualEngine(llm)
-        lifecycle = rollout_lifecycle.RolloutLifecycle(engine)
-        lifecycle.park()
-        manager = megatron_vllm.MegatronVLLMShardingManager(
-            actor_module=[model], inference_engine=llm, model_config=config, transformer_config=tf_config,
-            layer_name_mapping=LAYER_NAME_MAPPING, weight_converter=converter,
-            reshard={"tp_pp": "directed", "experts": "directed"}, lifecycle=lifecycle, rollout_dp=2)
-        out = {"good": _load(engine, manager, hf), "sent": engine.last_sync_tensors, "hf_tensors": len(hf)}
+        lifecycle = rollout_lifecycle.manual_lifecycle(llm, "manual")  # vLLMRollout.__init__'s hook
+        lifecycle.release()  # the worker's trainer_mode right after the build
+        engine = lifecycle.engine
+        out = {"paths": weight_sync.reshard_of(generator), "good": _load(lifecycle, generator, args, hf),
+               "sent": engine.last_sync_tensors, "hf_tensors": len(hf)}
         _reversed_ownership((plan, experts))
-        out["wrong_owner"] = _load(engine, manager, hf)
+        out["wrong_owner"] = _load(lifecycle, generator, args, hf)
         results[rank] = out
     finally:
         mpu.destroy_model_parallel()
@@ -181,6 +187,7 @@ def test_directed_sync_writes_every_vllm_parameter_with_the_checkpoint_and_exper
     dp_port = free_ports(2 * dp_groups.PORT_STRIDE)  # two DP groups (one per rollout instance)
     results = run_processes(_worker, 4, tiny, dp_port)
     for rank, r in sorted(results.items()):
+        assert r["paths"] == weight_sync.ReshardConfig(tp_pp="directed", experts="directed"), rank  # no fallback
         good = r["good"]
         assert good["params"] > 30 and good["unknown"] == [], (rank, good["unknown"])
         assert good["unwritten"] == [] and good["differ"] == [], (rank, good["unwritten"], good["differ"])

@@ -19,7 +19,8 @@ def _config(*overrides: str):
     import verl
     from omegaconf import OmegaConf
 
-    base = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/ppo_megatron_trainer.yaml")
+    # v0.6.1's ppo_megatron_trainer.yaml is Hydra defaults only; the generated file is its flat rendering
+    base = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_megatron_trainer.yaml")
     on = ["actor_rollout_ref.actor.recompute_old_log_prob=false", "data.train_batch_size=8",
           "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.entropy_coeff=0"]
     return OmegaConf.merge(base, OmegaConf.from_dotlist(on + list(overrides)))
@@ -38,13 +39,14 @@ def test_on_policy_setting_skips():
     ("actor_rollout_ref.actor.ppo_epochs=2", "ppo_epochs is 2"),
     ("actor_rollout_ref.actor.entropy_coeff=0.001", "entropy_coeff is 0.001"),
     ("algorithm.use_kl_in_reward=true", "use_kl_in_reward must be false"),
+    # v0.6.1's rollout correction reads or replaces old_log_probs (#3984)
+    ("algorithm.rollout_correction.rollout_is=token", "rollout_correction.rollout_is must be null"),
+    ("algorithm.rollout_correction.bypass_mode=true", "rollout_correction.bypass_mode must be false"),
 ])
 def test_off_policy_settings_are_refused(override, words):
     with pytest.raises(ValueError, match=re.escape(words)) as err:
         on_policy.skip_old_log_prob(_config(override))
     assert "recompute_old_log_prob=true" in str(err.value)
-
-
 
 
 @pytest.mark.parametrize("module", ["verl.trainer.ppo.ray_trainer", "verl.workers.actor.dp_actor",

@@ -1,15 +1,20 @@
-"""verl series: the rollout lifecycle without vLLM sleep mode (rollout.lifecycle=manual) and vLLM's
-external DP groups (rollout.data_parallel_size).
+"""verl series: the rollout lifecycle without vLLM sleep mode (rollout.lifecycle=manual,
+verl/workers/rollout/rollout_lifecycle.py) and vLLM's external DP groups (rollout.data_parallel_size).
 
-The order test drives verl's real MegatronVLLMShardingManager.__enter__/__exit__ and the real
-VLLMManualEngine over a tiny torch model and vLLM's real EngineCore (our series' free_kv_cache /
-reinit_kv_cache, with a stub executor for the devices, as the vLLM fork's tests/v1/engine/test_kv_cache_configs.py
-does), and records every call.
+The order test drives verl's real ActorRolloutRefWorker.rollout_mode/trainer_mode and the real vLLMRollout's
+resume/update_weights/release over the real VLLMManualEngine and vLLM's real EngineCore (our series'
+free_kv_cache / reinit_kv_cache, with a stub executor for the devices, as the vLLM fork's
+tests/v1/engine/test_kv_cache_configs.py does), and records every call.
 The DP tests feed the derived environment to vLLM's own ParallelConfig and get_ip, and gather the rank table over
-4 gloo ranks; the unit tests of the DP groups are the fork's tests/workers/rollout/test_dp_groups.py."""
+4 gloo ranks; the unit tests of the DP groups are the fork's tests/workers/rollout/test_dp_groups.py.
+
+Left to the fork's tests/workers/test_worker_lifecycle.py: verl's own sleep-mode order through the same worker calls
+(test_sleep_mode_keeps_verls_own_steps) and the refusal of calls out of the manual order
+(test_the_manual_order_is_enforced)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import sys
@@ -23,15 +28,26 @@ from tests import stack
 os.environ.setdefault("VLLM_PLUGINS", "none")  # never let a platform plugin import torch_npu here
 torch = stack.require("torch")
 
+from omegaconf import OmegaConf  # noqa: E402
+
 from tests.verl.conftest import require  # noqa: E402
 
-lc = require("verl.workers.sharding_manager.rollout_lifecycle")
+lc = require("verl.workers.rollout.rollout_lifecycle")
 dpg = require("verl.workers.rollout.vllm_rollout.dp_groups")
 core_mod = stack.require("vllm.v1.engine.core", "vLLM (our fork) is not installed")
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 if not hasattr(core_mod.EngineCore, "reinit_kv_cache"):
     stack.missing("the installed vLLM lacks our series", stack.series("vllm"))
+
+
+@pytest.fixture
+def no_moe_loader_patch(monkeypatch):
+    """verl's MoE weight-loader patch wants a vLLM model (with .model); the stand-ins have no experts (the real
+    model takes it in tests/verl/test_megatron_vllm_load_gloo.py)."""
+    import verl.utils.vllm.patch as vllm_patch
+
+    monkeypatch.setattr(vllm_patch, "patch_vllm_moe_model_weight_loader", lambda model: None)
 
 
 # ---------------------------------------------------------------- fakes that record
@@ -94,6 +110,10 @@ class FakeTrainer:
     def __init__(self, calls, weights):
         self.calls, self.weights, self.params_on_device = calls, weights, True
 
+    def load_params(self):
+        self.calls.append("trainer.load_params")
+        self.params_on_device = True
+
     def offload_params(self):
         self.calls.append("trainer.offload_params")
         self.params_on_device = False
@@ -127,16 +147,40 @@ def fake_llm(calls):
         llm_engine=engine,
         sleep=lambda level: calls.append(f"llm.sleep(level={level})"),
         wake_up=lambda tags=None: calls.append(f"llm.wake_up({tags})"),
+        reset_prefix_cache=lambda: True,
     ), model, core
 
 
-def sharding_manager(llm, lifecycle, trainer, calls):
-    """verl's MegatronVLLMShardingManager without its process groups; only the weight source is faked."""
-    mv = require("verl.workers.sharding_manager.megatron_vllm")
-    manager = mv.MegatronVLLMShardingManager.__new__(mv.MegatronVLLMShardingManager)
-    manager.inference_engine, manager.lifecycle, manager.actor_module = llm, lifecycle, []
-    manager.model_config = manager.transformer_config = manager.layer_name_mapping = manager.weight_converter = None
-    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+def vllm_rollout(llm, mode: str):
+    """verl's vLLMRollout around an engine built elsewhere: __init__'s lifecycle hook, without the engine's build."""
+    spmd = require("verl.workers.rollout.vllm_rollout.vllm_rollout_spmd")
+    rollout = spmd.vLLMRollout.__new__(spmd.vLLMRollout)
+    rollout.config = OmegaConf.create({"free_cache_engine": True, "lifecycle": mode})
+    rollout.inference_engine, rollout.sleep_level = llm, 1
+    rollout.lifecycle = lc.manual_lifecycle(llm, lc.lifecycle_mode(rollout.config))
+    return rollout
+
+
+def megatron_workers():
+    """Imported where used: the gloo test's spawned ranks import this module too, and need none of it."""
+    return require("verl.workers.megatron_workers")
+
+
+def megatron_worker(monkeypatch, rollout, trainer, calls):
+    """verl's ActorRolloutRefWorker without its process groups (param_offload on); Megatron's offload helpers
+    become the fake trainer's (what they move is tested below), and the weight source is faked."""
+    mw = megatron_workers()
+    monkeypatch.setattr(mw, "load_megatron_model_to_gpu", lambda models, load_grad=True: trainer.load_params())
+    monkeypatch.setattr(mw, "offload_megatron_model_to_cpu", lambda models: trainer.offload_params())
+    monkeypatch.setattr(lc, "offload_megatron_grads", lambda models: trainer.offload_grads())
+    worker = mw.ActorRolloutRefWorker.__new__(mw.ActorRolloutRefWorker)
+    worker.config = OmegaConf.create({"rollout": rollout.config})
+    worker.rollout, worker.bridge, worker._is_offload_param = rollout, None, True
+    worker.actor = SimpleNamespace(actor_module=[])
+    worker.actor_module = worker.actor.actor_module
+    worker.actor_model_config = worker.weight_converter = worker.tf_config = worker.layer_name_mapping = None
+    worker.gen_random_states = worker.torch_random_states = torch.get_rng_state()
+    model = llm_model(rollout.inference_engine)
 
     def weight_generator(*_):
         calls.append("reshard")
@@ -144,15 +188,18 @@ def sharding_manager(llm, lifecycle, trainer, calls):
         assert all(p.numel() for p in model.parameters()), "the reshard writes into onloaded buffers"
         yield from trainer.weights.items()
 
-    manager.weight_generator = weight_generator
-    manager.metrics, manager.reshard = {}, SimpleNamespace(tp_pp="directed", experts="directed")
-    return manager
+    worker.weight_generator = weight_generator
+    return worker
+
+
+def llm_model(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
 # ---------------------------------------------------------------- the order of a step
 
 
-def test_manual_step_order_on_a_fake_engine(monkeypatch):
+def test_manual_step_order_on_a_fake_engine(monkeypatch, no_moe_loader_patch):
     calls = []
     llm, model, core = fake_llm(calls)
     shapes = {n: p.shape for n, p in model.named_parameters()}
@@ -161,39 +208,28 @@ def test_manual_step_order_on_a_fake_engine(monkeypatch):
                         (lc, "post_process_attention")):
         monkeypatch.setattr(owner, name, _recorded(getattr(owner, name), calls, f"engine.{name}"))
 
-    lifecycle = lc.build_after_engine(llm, lc.lifecycle_mode({"lifecycle": "manual"}))  # vLLMRollout.__init__'s hook
+    worker = megatron_worker(monkeypatch, vllm_rollout(llm, "manual"), trainer, calls)
+    asyncio.run(worker.trainer_mode())  # what _build_rollout ends in
     assert all(p.numel() == 0 for p in model.parameters()) and not core.model_executor.kv_present
-    lifecycle.trainer = trainer  # what attach_trainer does in the Megatron worker
-    manager = sharding_manager(llm, lifecycle, trainer, calls)
     calls.append("--- rollout")
-    with manager:
-        assert core.model_executor.kv_present and lifecycle.state == "rollout"
-        assert all(torch.equal(p, torch.full(shapes[n], 3.0)) for n, p in model.named_parameters())
-        assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    asyncio.run(worker.rollout_mode())
+    assert core.model_executor.kv_present and worker.rollout.lifecycle.state == "rollout"
+    assert all(torch.equal(p, torch.full(shapes[n], 3.0)) for n, p in model.named_parameters())
+    assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    asyncio.run(worker.trainer_mode())
     calls.append("--- update")
-    lifecycle.after_update()  # update_actor's hook, with param_offload
+    worker.lifecycle.offload_actor_after_update()  # update_actor's hook, with param_offload
 
     assert calls == [
         "worker.free_kv_cache", "engine.offload_weights",  # park after the engine is built
         "--- rollout",
-        "engine.onload_weights", "reshard", "model.load_weights", "engine.post_process_attention",
-        "trainer.offload_params", "worker.initialize_from_config",
+        "trainer.load_params", "engine.onload_weights", "reshard", "model.load_weights",
+        "engine.post_process_attention", "trainer.offload_params", "worker.initialize_from_config",
         "worker.free_kv_cache", "engine.offload_weights",
         "--- update",
         "trainer.offload_grads",
     ]
     assert all(p.numel() == 0 for p in model.parameters()) and not core.model_executor.kv_present
-
-
-def test_default_sleep_step_order_is_verls():
-    calls = []
-    llm, model, _ = fake_llm(calls)
-    trainer = FakeTrainer(calls, {n: torch.ones_like(p) for n, p in model.named_parameters()})
-    assert lc.build_after_engine(llm, lc.lifecycle_mode({})) is None  # absent key = sleep
-    with sharding_manager(llm, None, trainer, calls):
-        calls.append("generate")
-    assert calls == ["llm.sleep(level=1)", "llm.wake_up(['weights'])", "reshard", "model.load_weights", "generate",
-                     "llm.sleep(level=1)"]
 
 
 def _recorded(fn, calls, label):
@@ -280,7 +316,8 @@ def mla_common(monkeypatch):
         monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", stub)
 
 
-def test_mla_derivatives_are_released_with_the_weights_and_derived_from_the_new_ones(mla_common):
+def test_mla_derivatives_are_released_with_the_weights_and_derived_from_the_new_ones(mla_common,
+                                                                                     no_moe_loader_patch):
     calls = []
     llm, _, _ = fake_llm(calls)
     model = TinyMLAModel()
@@ -309,30 +346,19 @@ def test_unknown_lifecycle_is_refused_with_the_key_and_the_choices():
         lc.lifecycle_mode({"lifecycle": "sleeep"})
 
 
-def test_out_of_order_calls_are_refused():
-    calls = []
-    llm, _, _ = fake_llm(calls)
-    lifecycle = lc.build_after_engine(llm, "manual")
-    with pytest.raises(RuntimeError, match="exit_rollout called in state 'parked', expected 'rollout'"):
-        lifecycle.exit_rollout()
-    lifecycle.trainer = FakeTrainer(calls, {})
-    lifecycle.enter_rollout(lambda: iter(()))
-    with pytest.raises(RuntimeError, match="after_update called in state 'rollout', expected 'parked'"):
-        lifecycle.after_update()
-
-
 def test_each_step_of_the_order_is_timed():
     class SlowEngine:
         def __getattr__(self, name):  # every RolloutEngine call takes 10 ms
             return lambda *a: time.sleep(0.01)
 
-    lifecycle = lc.RolloutLifecycle(SlowEngine(), FakeTrainer([], {}))
-    lifecycle.state = "parked"
-    lifecycle.enter_rollout(lambda: iter(()))
-    lifecycle.exit_rollout()
-    steps = ("onload", "reshard", "offload_params", "init_kv_cache", "free_kv_cache", "offload_weights")
-    assert sorted(lifecycle.seconds) == sorted(steps)
-    assert all(lifecycle.seconds[s] >= 0.01 for s in steps if s != "offload_params")  # the fake trainer is instant
+    lifecycle = lc.RolloutLifecycle(SlowEngine())
+    lifecycle.release()
+    lifecycle.resume(["weights"])
+    lifecycle.update_weights(iter(()))
+    lifecycle.resume(["kv_cache"])
+    steps = ("onload", "reshard", "init_kv_cache", "free_kv_cache", "offload_weights")
+    assert sorted(lifecycle.seconds) == sorted(steps)  # the Megatron offload is the worker's now, not timed here
+    assert all(lifecycle.seconds[s] >= 0.01 for s in steps)
 
 
 def test_manual_needs_the_in_process_engine_core():
@@ -389,7 +415,7 @@ def test_after_update_offloads_grads_only_and_verl_reloads_them():
     from verl.utils.megatron_utils import load_megatron_model_to_gpu
 
     chunks = [fake_ddp_chunk(10)]
-    lc.MegatronTrainer(chunks, offload_params=True).offload_grads()
+    lc.worker_lifecycle(SimpleNamespace(lifecycle=object()), chunks).offload_actor_after_update()
     buffers = [*chunks[0].buffers, *chunks[0].expert_parallel_buffers]
     assert all(b.grad_data.untyped_storage().size() == 0 for b in buffers), "grads released"
     assert torch.equal(buffers[0].param_data, torch.arange(10, dtype=torch.float32)), "params kept for the reshard"
@@ -397,16 +423,33 @@ def test_after_update_offloads_grads_only_and_verl_reloads_them():
     assert [b.grad_data.numel() for b in buffers] == [10, 3] and all(not b.grad_data.any() for b in buffers)
 
 
-def test_without_param_offload_the_grads_stay():
+@pytest.mark.parametrize("param_offload", [False, True])
+def test_update_actor_offloads_the_grads_only_with_param_offload(param_offload):
+    """verl reloads grads only with param_offload, so only then may the update release them."""
+    from verl import DataProto
+
     chunks = [fake_ddp_chunk(4)]
-    lc.MegatronTrainer(chunks, offload_params=False).offload_grads()
-    assert chunks[0].buffers[0].grad_data.untyped_storage().size() > 0, "verl reloads grads only with param_offload"
+    buffers = [*chunks[0].buffers, *chunks[0].expert_parallel_buffers]
+    for b in buffers:
+        b.grad_data_size = b.grad_data.numel()  # as init_model's offload leaves them
+    mw = megatron_workers()
+    worker = mw.ActorRolloutRefWorker.__new__(mw.ActorRolloutRefWorker)
+    worker.config = OmegaConf.create({"actor": {"ppo_micro_batch_size_per_gpu": 1, "ppo_epochs": 1}})
+    worker._is_actor = worker._is_rollout = True
+    worker._is_offload_param, worker._is_offload_optimizer, worker._world_size = param_offload, False, 1
+    worker.actor_module, worker.rollout = chunks, SimpleNamespace(lifecycle=object())  # a manual-lifecycle rollout
+    worker.actor = SimpleNamespace(make_minibatch_iterator=lambda data: [], update_policy=lambda dataloader: {})
+    worker.flops_counter = SimpleNamespace(estimate_flops=lambda tokens, seconds: (0.0, 1.0))
+    worker.actor_optimizer = SimpleNamespace(param_groups=[{"lr": 1.0}])
+    worker.actor_optimizer_scheduler = SimpleNamespace(step=lambda increment: None)
+    worker.update_actor(DataProto(meta_info={"global_token_num": [1]}))
+    assert all((b.grad_data.untyped_storage().size() == 0) == param_offload for b in buffers)
+    assert torch.equal(buffers[0].param_data, torch.arange(4, dtype=torch.float32)), "params kept for the reshard"
 
 
 def test_the_megatron_config_defaults_to_sleep_and_fsdp_refuses_manual():
-    from omegaconf import OmegaConf
-
-    yaml = os.path.join(os.path.dirname(lc.__file__), "../../trainer/config/ppo_megatron_trainer.yaml")
+    # the Megatron trainer's config as hydra composes it
+    yaml = os.path.join(os.path.dirname(lc.__file__), "../../trainer/config/_generated_ppo_megatron_trainer.yaml")
     rollout = OmegaConf.load(yaml).actor_rollout_ref.rollout
     OmegaConf.set_struct(rollout, True)
     assert lc.lifecycle_mode(rollout) == "sleep" and rollout.data_parallel_size == 1

@@ -32,19 +32,29 @@ PROMPTS = 8  # -> 16 sequences
 
 
 class FakeMegatronGroup:
-    """What the dispatch reads of a MegatronWorkerGroup: Megatron's rank order (TP fastest, then DP, then PP)."""
+    """What the dispatch reads of the worker group: the DP ranks and collect flags each worker registered per mesh
+    (verl 0.6.1's Worker._register_dispatch_collect_info), as the Megatron worker registers them: "actor" in
+    Megatron's rank order (TP fastest, then DP, then PP; TP 0 of the last stage answers), "rollout" in TP groups of
+    consecutive ranks (TP 0 answers)."""
 
-    def __init__(self, tp: int, dp: int, pp: int):
-        from verl.single_controller.base.megatron.worker_group import MegatronWorkerGroup
-        from verl.single_controller.base.worker import DistGlobalInfo, DistRankInfo
+    def __init__(self, tp: int, dp: int, pp: int, infer_tp: int = 1):
+        from verl.single_controller.base.worker_group import WorkerGroup
 
-        self.__class__ = type("Group", (FakeMegatronGroup, MegatronWorkerGroup), {})  # verl's collect asserts the type
-        self._workers = [None] * (tp * dp * pp)
-        self._megatron_global_info = DistGlobalInfo(tp_size=tp, dp_size=dp, pp_size=pp, cp_size=1)
-        self._megatron_rank_info = [
-            DistRankInfo(tp_rank=r % tp, dp_rank=r // tp % dp, pp_rank=r // (tp * dp), cp_rank=0)
-            for r in range(tp * dp * pp)
-        ]
+        self.__class__ = type("Group", (FakeMegatronGroup, WorkerGroup), {})  # verl's collect asserts the type
+        world = tp * dp * pp
+        self._workers = [None] * world
+        self._dispatch_info, self._collect_info = {}, {}
+        last = [r // (tp * dp) == pp - 1 for r in range(world)]
+        self.registered = {
+            "actor": ([r // tp % dp for r in range(world)], [r % tp == 0 and last[r] for r in range(world)]),
+            "rollout": ([r // infer_tp for r in range(world)], [r % infer_tp == 0 for r in range(world)]),
+        }
+
+    def _query_dispatch_info(self, mesh):
+        return self.registered[mesh][0]
+
+    def _query_collect_info(self, mesh):
+        return self.registered[mesh][1]
 
 
 def _rows(n: int, width: int, seed: int) -> torch.Tensor:
@@ -52,12 +62,14 @@ def _rows(n: int, width: int, seed: int) -> torch.Tensor:
 
 
 def _prompts() -> DataProto:
-    return DataProto.from_dict(tensors={"input_ids": _rows(PROMPTS, P, 0)})
+    """The rollout's input as verl 0.6.1's fit loop makes it: each prompt repeated rollout.n times, interleaved."""
+    return DataProto.from_dict(tensors={"input_ids": _rows(PROMPTS, P, 0)}).repeat(repeat_times=N, interleave=True)
 
 
 def fake_rollout(prompts: DataProto) -> DataProto:
-    """A deterministic rollout of a chunk of prompts: N samples each, interleaved as verl's rollout does."""
-    idx = prompts.batch["input_ids"].repeat_interleave(N, dim=0)
+    """A deterministic rollout of a chunk of repeated prompts: one response per row, each sample of a prompt its
+    own (chunks hold whole groups of N)."""
+    idx = prompts.batch["input_ids"]
     sample = torch.arange(len(idx)).remainder(N).unsqueeze(1)
     responses = (idx.sum(-1, keepdim=True) * 7 + sample * 31 + torch.arange(R)) % 1000
     attention_mask = torch.cat([torch.ones_like(idx), (torch.arange(R) < 2 + idx[:, :1] % (R - 1)).long()], dim=1)
@@ -120,11 +132,14 @@ def _per_worker(group, request, data):
 def test_cached_flow_hands_each_train_rank_the_rows_of_collect_then_split():
     group = FakeMegatronGroup(tp=2, dp=2, pp=1)  # train DP 2; the rollout stage is DP 4 (one per worker)
     prompts, rows = _prompts(), PROMPTS * N
+    assert len(prompts) == rows
     # verl's default flow: collect the rollout on the driver, then split it by train DP rank
     full = DataProto.concat([fake_rollout(c) for c in prompts.chunk(4)])
     full.batch["ref_log_prob"] = fake_ref(full)
     full.batch["advantages"] = torch.randn(rows, R, generator=torch.Generator().manual_seed(1))
-    host = DataProto.from_dict(tensors={"advantages": full.batch["advantages"]},
+    full.batch["response_mask"] = full.batch["attention_mask"][:, -R:]
+    # what flow.update_actor sends: the two tensors made on the driver (one worker per DP rank gets them)
+    host = DataProto.from_dict(tensors={k: full.batch[k] for k in ("advantages", "response_mask")},
                                meta_info={"global_token_num": full.batch["attention_mask"].sum(-1).tolist()})
 
     keys = (*flow.MODEL_INPUTS, "ref_log_prob")
@@ -143,19 +158,21 @@ def test_cached_flow_hands_each_train_rank_the_rows_of_collect_then_split():
     for rank in range(4):
         split = full.chunk(2)[rank // 2]  # collect-then-split: train DP rank rank // 2
         got = results[rank]["update_input"]
-        assert sorted(got) == sorted((*keys, "advantages"))
+        assert sorted(got) == sorted((*keys, "advantages", "response_mask"))
         for key in got:
             assert torch.equal(got[key], split.batch[key]), f"rank {rank}: {key} differs from the driver's split"
         # rollout DP 4 -> train DP 2: each rank already holds 4 of its 8 rows; only the other 4 travel, every
         # model input packed into one all_to_all
         assert results[rank]["moved_ref"] == 4 * row_bytes and results[rank]["calls_ref"] == 1
-        # ref -> update: the same layout, no collective at all
+        # ref -> update: the same layout, no all_to_all (the host rows reach the TP replica by a broadcast)
         assert results[rank]["moved_update"] == 0 and results[rank]["calls_update"] == 0
         assert results[rank]["cache_left"] == []  # the update frees the step's batch
     update = collect(group, [results[r]["update"] for r in range(4)])
-    # the update reports what the step's reshards brought: 4 rows of each model input (the ref's take)
+    # the update reports what the step's reshards brought: 4 rows of each model input (the ref's take); verl 0.6.1's
+    # concat keeps every collector's metrics: TP 0 of each train DP rank (ranks 0 and 2), nothing from the others
     assert update.batch is None
-    assert update.meta_info["metrics"] == {"rank": [0], "tensor_cache/rows_received": 4 * len(flow.MODEL_INPUTS)}
+    received = 4 * len(flow.MODEL_INPUTS)
+    assert update.meta_info["metrics"] == {"rank": [[0], [2]], "tensor_cache/rows_received": [received, received]}
     assert update.meta_info["seen"] == host.meta_info["global_token_num"]
 
 
@@ -192,15 +209,17 @@ def test_the_driver_sends_prompts_and_advantages_and_gets_responses_and_mask():
     assert sorted(out.batch.keys()) == ["attention_mask", "prompts", "responses"]
     for key in out.batch.keys():  # prompts rebuilt on the driver equal the rollout's own
         assert torch.equal(out.batch[key], full.batch[key])
-    batch = full.union(DataProto.from_dict(tensors={"advantages": torch.ones(len(full), R)},
+    made = {"advantages": torch.ones(len(full), R), "response_mask": full.batch["attention_mask"][:, -R:]}
+    batch = full.union(DataProto.from_dict(tensors=made,
                                            meta_info={"global_token_num": [1] * len(full)}))
     flow.compute_ref(trainer, batch)
     flow.update_actor(trainer, batch)
-    (_, gen_req, _), (_, ref_req, ref_data), (_, upd_req, upd_data) = wg.calls
-    assert gen_req.stage == cached.ROLLOUT and gen_req.num_rows == PROMPTS * N
+    (_, gen_req, gen_data), (_, ref_req, ref_data), (_, upd_req, upd_data) = wg.calls
+    assert gen_req.stage == cached.ROLLOUT and gen_req.num_rows == PROMPTS * N and gen_data is prompts
     assert ref_req.stage == cached.TRAIN and ref_req.get_keys == flow.MODEL_INPUTS and ref_data is None
     assert upd_req.get_keys == (*flow.MODEL_INPUTS, "ref_log_prob")
-    assert list(upd_data.batch.keys()) == ["advantages"] and upd_data.meta_info == batch.meta_info
+    # the Megatron actor's loss reads response_mask from the batch since verl 0.6.1: made on the driver, sent too
+    assert sorted(upd_data.batch.keys()) == ["advantages", "response_mask"] and upd_data.meta_info == batch.meta_info
     trainer.config.actor_rollout_ref.actor.use_kl_loss = False  # no KL loss: the update does not read ref_log_prob
     flow.update_actor(trainer, batch)
     assert wg.calls[-1][1].get_keys == flow.MODEL_INPUTS
@@ -216,7 +235,8 @@ def _config(*overrides: str):
     import verl
     from omegaconf import OmegaConf
 
-    base = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/ppo_megatron_trainer.yaml")
+    # v0.6.1's ppo_megatron_trainer.yaml is Hydra defaults only; the generated file is its flat rendering
+    base = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_megatron_trainer.yaml")
     ok = ["actor_rollout_ref.tensor_cache.enable=true", "trainer.balance_batch=false",
           "actor_rollout_ref.actor.recompute_old_log_prob=false", "actor_rollout_ref.ref.share_actor_worker=true",
           "algorithm.adv_estimator=grpo", "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
@@ -236,7 +256,7 @@ def test_a_supported_config_passes_and_off_means_unchecked():
     import verl
     from omegaconf import OmegaConf
 
-    shipped = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/ppo_megatron_trainer.yaml")
+    shipped = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_megatron_trainer.yaml")
     assert flow.enabled(shipped) is False  # verl's default stays the default flow
 
 

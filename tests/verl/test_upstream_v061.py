@@ -1,7 +1,7 @@
 """What verl 0.6.1 does, without our series, in place of each patch we drop on moving there.
 
 Each test runs one check of tests/verl/upstream_checks.py against verl 0.6.1's sdist (tests/verl/upstream.py), in
-a fresh process of the cpu stack's interpreter; third_party/patches/ports/verl-v0.6.1/ANALYSIS.md gives the verdicts.
+a fresh process of the cpu stack's interpreter; third_party/patches/verl/REBASE-v0.4.0-v0.6.1.md gives the verdicts.
 A check fails where the release lacks the mechanism: run against verl 0.4.0's sdist, each of them fails.
 """
 
@@ -15,10 +15,8 @@ from tests import stack
 from tests.verl.upstream import release_tree, run_check
 
 VERSION = "0.6.1"
-# network: verl 0.6.1's sdist comes from the package index (cached after the first run). long: nothing installed runs
-# verl 0.6.1 until the pin moves, and the 7 checks cost 3 min of CI's 90 on 2 AVX2 cores; they join CI with the switch
-# (issue 29). Run them with `pytest -m long tests/verl/test_upstream_v061.py` when a port verdict changes.
-pytestmark = [pytest.mark.network, pytest.mark.long]
+# network: verl 0.6.1's sdist comes from the package index (cached after the first run)
+pytestmark = pytest.mark.network
 
 
 @pytest.fixture(scope="module")

@@ -159,7 +159,8 @@ def _load(manager, ckpt: str) -> None:
     """manager.load_checkpoint(ckpt). verl 0.6.1's load_checkpoint imports transformer_engine (#3850) only to
     allow-list TE's FusedAdam for torch.load, and fails without it (CPU; NPU without a TE build). That is not what
     these checks are about: where TE is missing, a module with that one class stands in during the call, and only
-    then (Megatron would take it for TE). ANALYSIS.md lists the guard as a new patch."""
+    then (Megatron would take it for TE). Our series carries the guard (`load-a-megatron-checkpoint-s-optimizer-
+    without-transformer-engine`); these checks run upstream's tree, without it."""
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
@@ -181,44 +182,9 @@ def _load(manager, ckpt: str) -> None:
             del sys.modules[m.__name__]
 
 
-def _megatron_checkpoints_on_this_host() -> None:
-    """Two things of Megatron-core 0.12, not of verl, stand between verl's manager and a checkpoint on this stack;
-    what verl hands to dist_checkpointing is what these checks look at (ANALYSIS.md lists both as Megatron-side
-    work at v0.6.1):
-    - its torch_dist writer calls torch's _write_item without the serialization_format that torch >= 2.7 requires
-      (Megatron fixed the call in !3243, core_v0.13.0): the argument is given here, as the fix does;
-    - its save and load paths call torch.cuda.synchronize and current_device and Tensor.cuda() (torch_npu maps
-      them to the NPU on A3): on a host without CUDA they keep the tensors where they are. Its fully-parallel load
-      (which verl's load_dist_checkpointing wraps around the load strategy) exchanges the tensors through buffers
-      it makes on device 'cuda': on a host each rank reads its tensors itself, the same tensors."""
-    import inspect
-
-    import torch
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from torch.distributed.checkpoint import filesystem
-
-    wanted = inspect.signature(filesystem._write_item).parameters.get("serialization_format")
-    # our Megatron series passes it since `write-torch-dist-checkpoint-items-with-newer-torch-s`
-    answered = hasattr(filesystem_async, "_WRITE_ITEM_FORMAT")
-    if wanted is not None and wanted.default is inspect.Parameter.empty and not answered:
-        def write_item(*args, **kwargs):
-            return filesystem._write_item(*args, serialization_format=filesystem.SerializationFormat.TORCH_SAVE,
-                                          **kwargs)
-
-        filesystem_async._write_item = write_item
-    if not torch.cuda.is_available():
-        torch.cuda.synchronize = lambda *args, **kwargs: None
-        torch.cuda.current_device = lambda: "cpu"
-        torch.Tensor.cuda = lambda self, *args, **kwargs: self
-        from verl.utils.megatron import dist_checkpointing as verl_dist_checkpointing
-
-        verl_dist_checkpointing.FullyParallelLoadStrategyWrapper = lambda strategy, group: strategy
-
-
 def _megatron(ep: int = 1) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
-    _megatron_checkpoints_on_this_host()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
@@ -319,24 +285,6 @@ def _torch_adam(optimizer):
     return inner
 
 
-def _allocate_torch_adam_state(optimizer) -> None:
-    """Megatron-core 0.12's DistributedOptimizer.state_dict, which sharded_state_dict(is_loading=True) calls, asserts
-    one shared `step` in torch Adam's state, so it fails on a fresh optimizer without Apex or TE (the CPU stack; on
-    A3 MindSpeed's fused Adam takes the other branch). Its load_state_dict allocates the state of its other
-    optimizers with a dummy step; the same is done here, with zero gradients. The load then overwrites every
-    value. A Megatron patch should do this (ANALYSIS.md)."""
-    import torch
-
-    adam = _torch_adam(optimizer)
-    if adam.state:
-        return
-    for group in adam.param_groups:
-        for param in group["params"]:
-            param.grad = torch.zeros_like(param)
-    adam.step()
-    adam.zero_grad()
-
-
 def megatron_checkpoint_resumes_the_optimizer() -> None:
     """A freshly built actor that loads the checkpoint takes the same next step as the saved one: Adam's step and
     moments come back with the parameters (verl 0.4.0's save_parameter_state alone left a fresh optimizer at step
@@ -352,7 +300,6 @@ def megatron_checkpoint_resumes_the_optimizer() -> None:
         _manager(saved, saved_opt, config, ["model", "optimizer"]).save_checkpoint(ckpt, global_step=3)
         resumed, resumed_opt, _ = _tiny_actor(seed=1)
         assert not torch.equal(resumed.module.proj.weight, saved.module.proj.weight)
-        _allocate_torch_adam_state(resumed_opt)
         _load(_manager(resumed, resumed_opt, config, ["model", "optimizer"]), ckpt)
     assert torch.equal(resumed.module.proj.weight, saved.module.proj.weight)
     _train_step(saved, saved_opt, 3)
