@@ -71,11 +71,12 @@ EXPECTED = {
 }
 
 
-def _upstream(tmp_path: Path) -> Upstream:
+def _upstream(tmp_path: Path, extra: dict[str, str] | None = None) -> Upstream:
+    """v1 (V1, plus `extra` files), then UPSTREAM_V2's commits up to v2."""
     work = tmp_path / "upstream-work"
     work.mkdir()
     git(work, "init", "-q")
-    v1 = commit(work, V1, "Initial import", date="2024-01-01T00:00:00Z", trailers="")
+    v1 = commit(work, {**V1, **(extra or {})}, "Initial import", date="2024-01-01T00:00:00Z", trailers="")
     git(work, "tag", "v1")
     for day, (files, subject, body) in enumerate(UPSTREAM_V2, 1):
         commit(work, files, subject, body, date=f"2024-02-0{day}T00:00:00Z")

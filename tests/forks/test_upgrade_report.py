@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests.forks.conftest import Upstream, commit, commit_series, git, make_project, make_sdist
-from tests.forks.test_rebase_dry_run import BATCH, EXPECTED, LR, SERIES, TYPO, UPSTREAM_V2, V1, V2, _upstream
+from tests.forks.conftest import commit_series, git, make_project, make_sdist
+from tests.forks.test_rebase_dry_run import BATCH, EXPECTED, LR, SERIES, TYPO, V1, V2, _upstream
 from tools.forks import manifest as manifest_mod
 from tools.forks import ops, rehearsal, upgrade
 from tools.forks.series import Series
@@ -249,26 +249,11 @@ SDIST_LACKS = ("Check the feature", {"feature.py": "ON = 2\n", CHECK: "from feat
                "The upstream check follows the feature.")
 
 
-def _upstream_with_a_test(tmp_path: Path) -> Upstream:
-    """_upstream's history, with CHECK in git from v1 on."""
-    work = tmp_path / "upstream-work"
-    work.mkdir()
-    git(work, "init", "-q")
-    v1 = commit(work, {**V1, CHECK: "assert True\n"}, "Initial import", date="2024-01-01T00:00:00Z", trailers="")
-    git(work, "tag", "v1")
-    for day, (files, subject, body) in enumerate(UPSTREAM_V2, 1):
-        commit(work, files, subject, body, date=f"2024-02-0{day}T00:00:00Z")
-    git(work, "tag", "v2")
-    bare = tmp_path / "upstream.git"
-    git(tmp_path, "clone", "-q", "--bare", str(work), str(bare))
-    return Upstream(work, bare, v1, git(work, "rev-parse", "v2"))
-
-
 def test_a_pypi_replay_leaves_out_the_files_the_sdists_lack_and_names_them(tmp_path):
     """verl's series changes tests/special_sanity/validate_structure.py, which verl's sdists do not ship: the
     replay onto verl==0.7.1 stopped at the pin ("does not exist in index"). It now replays the rest of that patch
     and names the file; a git target, where the file is, replays all of it."""
-    project = make_project(tmp_path, _upstream_with_a_test(tmp_path), files=V1)  # the sdists lack CHECK
+    project = make_project(tmp_path, _upstream(tmp_path, {CHECK: "assert True\n"}), files=V1)  # the sdists lack CHECK
     commit_series(project, [*SERIES, SDIST_LACKS])
     make_sdist(project.dist, "1.1", V2)
     fork = manifest_mod.load(project.root).forks["demo"]

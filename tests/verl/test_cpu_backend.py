@@ -16,6 +16,7 @@ import torch
 
 from tests import stack
 from tests.verl.conftest import require, run_ranks
+from tests.verl.hf_rollouts import generating_hf_rollout
 
 device = require("verl.utils.device")
 
@@ -92,23 +93,13 @@ def test_resource_pool_counts_cpus_on_a_cpu_cluster():
         ray.shutdown()
 
 
-def _hf_rollout(hf_rollout, module, config):
-    """verl 0.6.1's HFRollout no longer instantiates: BaseRollout makes resume/update_weights/release abstract and
-    takes (config, model_config, device_mesh) (the registered 'hf' rollout is the fork's HFEngineRollout). Its
-    generate path is unchanged: run it on the module and config its old constructor set."""
-    cls = type("HFRollout", (hf_rollout.HFRollout,), dict.fromkeys(("resume", "update_weights", "release"), None))
-    rollout = cls.__new__(cls)
-    rollout.config, rollout.module = config, module
-    return rollout
-
-
 def test_hf_rollout_samples_n_responses_on_cpu():
     transformers = stack.require("transformers")
     from omegaconf import OmegaConf
     from tensordict import TensorDict
     from verl import DataProto
 
-    hf_rollout = require("verl.workers.rollout.hf_rollout")
+    require("verl.workers.rollout.hf_rollout")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -122,7 +113,7 @@ def test_hf_rollout_samples_n_responses_on_cpu():
                         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, batch_size=2)
     # v0.6.1's fit loop repeats each prompt rollout.n times before the rollout, which samples one response a row
     repeated = DataProto(batch=batch, meta_info={"eos_token_id": 1, "pad_token_id": 0}).repeat(3, interleave=True)
-    out = _hf_rollout(hf_rollout, model, config).generate_sequences(repeated)
+    out = generating_hf_rollout(model, config).generate_sequences(repeated)
     assert out.batch["responses"].shape == (6, 6)
     assert out.batch["input_ids"].shape == (6, 10)
     assert torch.equal(out.batch["prompts"][:3], prompts[:1].expand(3, -1))  # the n samples of a prompt stay together

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.verl.conftest import require
+from tests.verl.hf_rollouts import generating_hf_rollout
 
 hf_rollout = require("verl.workers.rollout.hf_rollout")
 hf_sampling = require("verl.workers.rollout.hf_sampling")
@@ -32,16 +33,6 @@ def model(tmp_path_factory):
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, torch_dtype=torch.float32, attn_implementation="sdpa"
     )
-
-
-def _hf_rollout(module, config):
-    """verl 0.6.1's HFRollout no longer instantiates: BaseRollout makes resume/update_weights/release abstract and
-    takes (config, model_config, device_mesh) (the registered 'hf' rollout is the fork's HFEngineRollout). Its
-    generate path is unchanged: run it on the module and config its old constructor set."""
-    cls = type("HFRollout", (hf_rollout.HFRollout,), dict.fromkeys(("resume", "update_weights", "release"), None))
-    rollout = cls.__new__(cls)
-    rollout.config, rollout.module = config, module
-    return rollout
 
 
 def _config(**kw):
@@ -91,7 +82,7 @@ def _teacher_forced(model, out, temperature, top_k):
 @pytest.mark.parametrize("temperature, top_k, n", [(1.0, 0, 1), (0.7, 20, 2)])
 def test_rollout_log_probs_equal_a_teacher_forced_forward(model, temperature, top_k, n):
     torch.manual_seed(0)
-    rollout = _hf_rollout(model, _config(temperature=temperature, top_k=top_k, n=n))
+    rollout = generating_hf_rollout(model, _config(temperature=temperature, top_k=top_k, n=n))
     # v0.6.1's fit loop repeats each prompt rollout.n times before the rollout, which samples one response a row
     out = rollout.generate_sequences(_prompts().repeat(repeat_times=n, interleave=True)).batch
     got = out["rollout_log_probs"]
@@ -105,7 +96,7 @@ def test_rollout_log_probs_equal_a_teacher_forced_forward(model, temperature, to
 
 
 def test_greedy_validation_log_probs_are_the_plain_softmax(model):
-    rollout = _hf_rollout(model, _config())
+    rollout = generating_hf_rollout(model, _config())
     prompts = _prompts()
     prompts.meta_info.update(validate=True, do_sample=False)  # what verl's trainer sends for validation
     out = rollout.generate_sequences(prompts).batch
@@ -116,5 +107,5 @@ def test_greedy_validation_log_probs_are_the_plain_softmax(model):
 
 
 def test_no_rollout_log_probs_unless_asked(model):
-    out = _hf_rollout(model, _config(calculate_log_probs=False)).generate_sequences(_prompts())
+    out = generating_hf_rollout(model, _config(calculate_log_probs=False)).generate_sequences(_prompts())
     assert "rollout_log_probs" not in out.batch.keys()
