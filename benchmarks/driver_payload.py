@@ -9,7 +9,8 @@ The tensor list is the real one: the fit loop of verl 0.4.0 (verl/trainer/ppo/ra
 replayed on a 32-row batch of the real widths with verl's own driver functions (compute_response_mask,
 compute_advantage), and the batch's keys at each call are what that call dispatches; bytes per row
 are scaled to 8192 rows. verl's MEGATRON_COMPUTE_PROTO sends the whole batch, each DP chunk to all
-TP x PP = 32 workers of its DP rank; DP_COMPUTE_PROTO (the rollout) sends each worker its own chunk;
+TP x PP = 32 workers of its DP rank (verl 0.6.1's per-mesh dispatch puts each chunk in Ray's object store once,
+and each of the 32 fetches it: the same bytes leave the driver's node); DP_COMPUTE_PROTO (the rollout) sends each worker its own chunk;
 meta_info (global_token_num) goes with every chunk. Non-tensor columns (uid, data_source, ...) are
 left out: a few bytes per row. The rollout's DP (256 one-per-worker, or 128 TP2 instances x 2) does
 not change what crosses the driver; it changes the on-device reshard, printed last.
@@ -100,15 +101,22 @@ def request_bytes() -> int:
 
 
 class A3Group:
-    """What DP_COMPUTE_CACHED reads of the Megatron worker group, in Megatron's rank order (TP, DP, PP)."""
+    """What DP_COMPUTE_CACHED reads of the Megatron worker group for the train stage: the DP rank and collect flag
+    each worker registered for the "actor" mesh (verl 0.6.1's Worker._register_dispatch_collect_info), in Megatron's
+    rank order (TP fastest, then DP, then PP); TP 0 of the last pipeline stage answers for its DP rank."""
 
     world_size = WORKERS
 
-    def get_megatron_global_info(self):
-        return SimpleNamespace(pp_size=PP)
+    def __init__(self):
+        self._dispatch_info, self._collect_info = {}, {}
 
-    def get_megatron_rank_info(self, rank: int):
-        return SimpleNamespace(tp_rank=rank % TP, dp_rank=rank // TP % DP, pp_rank=rank // (TP * DP), cp_rank=0)
+    def _query_dispatch_info(self, mesh: str) -> list[int]:
+        assert mesh == "actor", mesh
+        return [rank // TP % DP for rank in range(WORKERS)]
+
+    def _query_collect_info(self, mesh: str) -> list[bool]:
+        assert mesh == "actor", mesh
+        return [rank % TP == 0 and rank // (TP * DP) == PP - 1 for rank in range(WORKERS)]
 
 
 def advantages_dispatch() -> tuple[float, int]:

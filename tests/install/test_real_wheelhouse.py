@@ -21,6 +21,7 @@ import pytest
 
 from tests.forks.test_real_sources import _index_unreachable
 from tools.forks.cli import main as forks_main
+from tools.forks.manifest import load
 from tools.install.cli import main as install_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,8 +51,9 @@ def test_cpu_wheelhouse_installs_every_fork_with_no_index(tmp_path, monkeypatch,
     assert vllm_wheel.startswith("vllm-0.9.1+cpu-") and vllm_wheel in record["files"]
     names = {name.split("-")[0].lower() for name in record["files"]}
     assert {"torch", "numba", "verl", "megatron_core", "cmake", "transformers"} <= names
-    for sdist in ("verl-0.4.0.tar.gz", "vllm-0.9.1.tar.gz", "megatron_core-0.12.3.tar.gz"):
-        assert sdist in record["files"], f"{sdist}: the pinned source, for `tools.forks sync` offline"
+    pins = {name: load(ROOT).forks[name].pypi for name in ("vllm", "verl", "megatron")}
+    for pin in pins.values():
+        assert pin.file in record["files"], f"{pin.file}: the pinned source, for `tools.forks sync` offline"
     assert not (dest / ".build-env").exists()
 
     # Offline: no index, none of this machine's pip settings (its find-links hold torch), uv offline,
@@ -77,7 +79,8 @@ def test_cpu_wheelhouse_installs_every_fork_with_no_index(tmp_path, monkeypatch,
     done = subprocess.run([venv / "bin/python", "-c", probe], capture_output=True, text=True, cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin", "VLLM_PLUGINS": "none", "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-4:] == ["0.9.1+cpu", "0.4.0", "0.12.3", "cpu"]
+    versions = [pin.requirement.split("==")[1] for pin in pins.values()]
+    assert done.stdout.split()[-4:] == [versions[0] + "+cpu", *versions[1:], "cpu"]
 
     # what the install records, and a second run that finds everything done (the checks of the former
     # test_real_install, whose index install is the one `nox -s tests` makes on a fresh machine before this runs)

@@ -38,6 +38,7 @@ ALLOWED = {
     "recipe.rollout.expert_parallel_size": LAYOUT + ": EP over an instance's DP2 x TP1 (A3: DP64 x TP2)",
     "recipe.rollout.torchair_graph": DEVICE + ": TorchAir graphs are NPU only (refused on cpu)",
     "recipe.checkpoints.dir": SAVES + " (null: <run dir>/checkpoints, one node)",
+    "data.dataloader_num_workers": DEVICE + ": 0, verl 0.6.1's 8 loader processes stall two cores",
     "recipe.checkpoints.write_gb_per_s": SAVES + ": the shared filesystem's assumed bandwidth, for the A3 estimate",
     "recipe.checkpoints.step_s": SAVES + ": the A3 reference step, for the estimate of the time spent saving",
     "trainer.save_freq": SAVES,
@@ -99,7 +100,6 @@ ALLOWED = {
                                                " under torch 2.13",
     "actor_rollout_ref.rollout.max_num_batched_tokens": SIZE + ": >= prompt + response (128 + 48)",
     "actor_rollout_ref.rollout.max_num_seqs": SIZE + ": 8 sequences per engine and step",
-    "actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs": SIZE + " (${actor_rollout_ref.rollout.max_num_seqs})",
     **{f"actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.{k}": ASCEND_ONLY for k in (
         "ascend_scheduler_config.enabled", "dp_sync_on_device", "refresh", "torchair_graph_config.enabled",
         "torchair_graph_config.enable_kv_nz", "torchair_graph_config.enable_multistream_mla",
