@@ -1,12 +1,15 @@
 """The A3 profiles' vLLM-Ascend settings reach the engine: recipe -> launcher -> verl -> vllm.LLM -> vLLM-Ascend.
 
 (a) Each A3 profile goes through the launcher's own code (config.load, config.verl_config) to the verl config the
-    trainer gets; verl's real vLLMRollout (the spmd one verl 0.4.0 uses with vLLM 0.9.1) is built from its
-    rollout block. Stubbed: only the engine, i.e. `vllm.LLM` in the verl module's namespace is a recorder of its
-    keyword arguments (with the `sleep` that the constructor calls). The constructor's one distributed call,
-    get_world_size (verl asserts rollout TP <= world), is answered by a real 2-rank gloo group (TP2). It runs in
-    spawned processes, away from this directory's torch_npu stubs. The profiles' prefill budget is 4096
-    (= max_model_len): the reference's 1024 is refused at our pins by verl 0.4.0's constructor and by vLLM-Ascend
+    trainer gets; verl's real vLLMRollout (verl 0.6.1's spmd one, with vLLM 0.9.1) is built as the Megatron
+    worker's _build_rollout builds it: RolloutConfig from the rollout block (omega_conf_to_dataclass), a model
+    config (a stand-in with what the constructor reads of HFModelConfig: local_path, tokenizer, hf_config from the
+    profile's model dims, trust_remote_code, lora_rank) and no device mesh (the constructor does not read it).
+    Stubbed: only the engine, i.e. `vllm.LLM` in the verl module's namespace is a recorder of its keyword
+    arguments (and of any `sleep`: the 0.6.1 constructor calls none). The constructor's distributed calls,
+    get_world_size and get_rank (verl asserts rollout TP <= world), are answered by a real 2-rank gloo group (TP2).
+    It runs in spawned processes, away from this directory's torch_npu stubs. The profiles' prefill budget is 4096
+    (= max_model_len): the reference's 1024 is refused at our pins by verl 0.6.1's constructor and by vLLM-Ascend
     0.9.1's ascend scheduler (both shown below; recipes/deepseek_r1/README.md).
 (b) The recorded keyword arguments are fed to vLLM-Ascend's own code, from the fork's tree with the device
     modules stubbed (conftest): AscendConfig, NPUModelRunner.check_torchair_graph_batch_sizes on a runner built
@@ -41,16 +44,22 @@ def build_rollout(name: str, overrides: list[str]) -> dict:
     """verl's vLLMRollout from the profile, with vllm.LLM recording its keyword arguments."""
     from unittest import mock
 
-    from verl.workers.rollout.vllm_rollout import vllm_mode
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
     from verl.workers.rollout.vllm_rollout import vllm_rollout_spmd as spmd
 
-    assert vllm_mode == "spmd", f"verl picked its {vllm_mode} rollout for this vLLM"
     # vLLM DP needs the rank table of a real cluster and the manual lifecycle parks a real engine (both in
     # tests/verl/test_rollout_lifecycle.py); this test is about what reaches the engine's constructor
     recipe = config.load(CONFIGS / f"{name}.yaml", [*overrides, "actor_rollout_ref.rollout.data_parallel_size=1",
                                                     "actor_rollout_ref.rollout.lifecycle=sleep"])
-    rollout_cfg = config.verl_config(recipe.cfg, config.verl_base()).actor_rollout_ref.rollout
+    # as the Megatron worker's _build_rollout does: the rollout block as verl's RolloutConfig
+    rollout_cfg = omega_conf_to_dataclass(config.verl_config(recipe.cfg, config.verl_base()).actor_rollout_ref.rollout)
+    assert isinstance(rollout_cfg, RolloutConfig)
     dims, _ = config.model_dims(recipe)
+    # HFModelConfig loads the checkpoint's config and tokenizer from its path in __post_init__; BaseRollout passes
+    # an object through (omega_conf_to_dataclass), so a stand-in with what the constructor reads of it
+    model_cfg = SimpleNamespace(local_path="/models/dsv3", tokenizer=SimpleNamespace(pad_token_id=0),
+                                hf_config=SimpleNamespace(**dims), trust_remote_code=True, lora_rank=0)
     calls = []
 
     class EngineRecorder:
@@ -64,8 +73,8 @@ def build_rollout(name: str, overrides: list[str]) -> dict:
             raise AssertionError("the engine is only built in this test")
 
     with mock.patch.object(spmd, "LLM", EngineRecorder):
-        spmd.vLLMRollout(model_path="/models/dsv3", config=rollout_cfg, tokenizer=SimpleNamespace(pad_token_id=0),
-                         model_hf_config=SimpleNamespace(**dims), device_mesh=None, trust_remote_code=True)
+        # the constructor does not read device_mesh (BaseRollout only keeps it)
+        spmd.vLLMRollout(config=rollout_cfg, model_config=model_cfg, device_mesh=None)
     assert len(calls) == 1
     return calls[0]
 
@@ -115,13 +124,16 @@ def profile_additional_config(name: str) -> dict:
 def test_verl_hands_the_profiles_additional_config_to_the_engine(engine_kwargs, name):
     kwargs = engine_kwargs[name]
     assert kwargs["additional_config"] == profile_additional_config(name)
-    assert kwargs["max_num_seqs"] == 64, "verl passes no max_num_seqs of its own: the profile's engine_kwargs do"
+    assert kwargs["max_num_seqs"] == 64, "verl passes max_num_seqs=rollout.max_num_seqs (the profile's 64)"
     assert kwargs["enforce_eager"] is False and kwargs["tensor_parallel_size"] == 2
-    assert kwargs["sleep(level)"] == 1
+    # lifecycle=sleep with free_cache_engine: the engine gets sleep mode; the constructor no longer sends it to
+    # sleep (the worker's trainer_mode does, through release())
+    assert kwargs["enable_sleep_mode"] is True
+    assert "sleep(level)" not in kwargs
 
 
 def test_the_reference_token_budget_is_refused_by_verl(engine_kwargs):
-    """Why the profiles use 4096: with the reference's 1024 verl 0.4.0 stops in its constructor (chunked prefill)."""
+    """Why the profiles use 4096: with the reference's 1024 verl 0.6.1 stops in its constructor (chunked prefill)."""
     assert "max_num_batched_tokens is smaller than max_model_len" in engine_kwargs["as-is"]
 
 
@@ -166,7 +178,7 @@ def test_the_engine_captures_one_graph_of_max_num_seqs(va, engine_kwargs, name):
     kwargs = engine_kwargs[name]
     sizes = kwargs["additional_config"]["torchair_graph_config"]["graph_batch_sizes"]
     assert captured_sizes(mr, kwargs, sizes, kwargs["max_num_seqs"]) == [64]
-    # without engine_kwargs.vllm.max_num_seqs the engine runs vLLM's default 256 and captures a second graph
+    # with vLLM's default max_num_seqs 256 (no rollout.max_num_seqs) the engine captures a second graph
     assert captured_sizes(mr, kwargs, sizes, 256) == [64, 256]
 
 
