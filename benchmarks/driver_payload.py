@@ -9,8 +9,9 @@ The tensor list is the real one: the fit loop of verl 0.4.0 (verl/trainer/ppo/ra
 replayed on a 32-row batch of the real widths with verl's own driver functions (compute_response_mask,
 compute_advantage), and the batch's keys at each call are what that call dispatches; bytes per row
 are scaled to 8192 rows. verl's MEGATRON_COMPUTE_PROTO sends the whole batch, each DP chunk to all
-TP x PP = 32 workers of its DP rank (verl 0.6.1's per-mesh dispatch puts each chunk in Ray's object store once,
-and each of the 32 fetches it: the same bytes leave the driver's node); DP_COMPUTE_PROTO (the rollout) sends each worker its own chunk;
+TP x PP = 32 workers of its DP rank (verl 0.6.1's per-mesh dispatch puts each chunk in Ray's object store
+once, and each of the 32 fetches it: the same bytes leave the driver's node); DP_COMPUTE_PROTO (the rollout)
+sends each worker its own chunk;
 meta_info (global_token_num) goes with every chunk. Non-tensor columns (uid, data_source, ...) are
 left out: a few bytes per row. The rollout's DP (256 one-per-worker, or 128 TP2 instances x 2) does
 not change what crosses the driver; it changes the on-device reshard, printed last.
@@ -21,7 +22,6 @@ not change what crosses the driver; it changes the on-device reshard, printed la
 from __future__ import annotations
 
 import pickle
-from types import SimpleNamespace
 
 import numpy as np
 import torch
