@@ -184,10 +184,10 @@ def test_dry_run_onto_a_pypi_release_builds_the_history_from_sdists(tmp_path, ca
     assert f"needs {BATCH} (left out)" in report
 
 
-def test_a_pypi_release_is_for_dry_runs_of_forks_with_a_pypi_source(dry, capsys):
+def test_a_pypi_release_is_for_forks_with_a_pypi_source(dry, capsys):
     make_sdist(dry.dist, "1.1", V2)
     assert dry.cli("rebase", "demo", "--onto", "demo==1.1", "--find-links", str(dry.dist)) == 2
-    assert "names no upstream commit" in capsys.readouterr().err
+    assert "Pass --upstream-commit SHA" in capsys.readouterr().err, "the rebase itself needs the tag's commit"
     assert dry.cli("rebase", "demo", "--onto", "other==1.1", "--dry-run", "--find-links", str(dry.dist)) == 2
     assert "write it as demo==<version>" in capsys.readouterr().err
     assert dry.cli("rebase", "demo", "--onto", "demo==9.9", "--dry-run", "--find-links", str(dry.dist)) == 2

@@ -46,11 +46,19 @@ naming the later patches that need it: those that do not apply at the pin withou
 or already upstream. The table is printed and written as a draft of the REBASE report.
 It exits 1 when a patch conflicts (a check that found problems; nothing stopped).
 Without the git history (CI, firewalled sites), name a PyPI release as NAME==VERSION (forks with
-a `pypi` source): the pinned and the target sdist are compared instead. Only --dry-run takes a
-release: the rebase itself needs the release's git commit for the pin.
+a `pypi` source): the pinned and the target sdist are compared instead.
+
+A fork without upstream's git history (vLLM: only PyPI sdists here) rebases onto a release too:
+`--onto NAME==VERSION --upstream-commit SHA`, SHA being the full commit of the release's tag (its
+release page shows it). The replay runs on the release's sdist laid out on the pin's, as --dry-run
+builds it; the port is ports/<fork>-<tag>/ (the tag from forks.toml's release_tags) and keeps SHA
+as `upstream`, so --continue and other machines need not repeat it. The finish pins ref = the tag,
+commit = SHA and pypi = the release's sdist, moves the gitlink to SHA, and leaves the fork a PyPI
+tree as `sync` + `apply` make it for the new pin.
 
   python -m tools.forks rebase verl --onto v0.6.1 --dry-run       # what it will cost
   python -m tools.forks rebase verl --onto v0.6.1                 # start, or pick up the port
+  python -m tools.forks rebase vllm --onto vllm==0.11.0 --upstream-commit <40-hex commit of v0.11.0>
   python -m tools.forks rebase verl --status
   python -m tools.forks rebase verl --continue --why "v0.6.1 split fsdp_workers.py; hook moved"
   python -m tools.forks rebase verl --drop NAME --why "upstream does it in utils/device.py (PR #1234)"
@@ -149,8 +157,11 @@ def parser() -> argparse.ArgumentParser:
             "verdict that needs a why has one (not the TODO placeholder), every ported or reworked patch is\n"
             "there and listed in its `series`, in order, and nothing else is; the patches pass the lint\n"
             "above. Where the fork's source holds the port's `to` commit they are applied onto it in a\n"
-            "scratch index (recipe/<fork> and the work tree untouched); a PyPI tree lacks it: lint only.")
+            "scratch index (recipe/<fork> and the work tree untouched). On a PyPI tree the release the port\n"
+            "goes to is laid out as `rebase --onto NAME==VERSION` does; if that gives `to`, the port is\n"
+            "applied onto it, else (another `to`, or the release out of reach) lint only.")
     _fork_args(p)
+    _index_args(p, "for a port onto a PyPI release: ")
 
     p = add("test", "Run the tests the series adds, inside each fork's patched tree.",
             "The test files a patch creates (test_*.py) run with this interpreter's pytest, from the\n"
@@ -167,8 +178,11 @@ def parser() -> argparse.ArgumentParser:
             REBASE_EPILOG)
     _fork_args(p, nargs=1)
     p.add_argument("--onto", metavar="REF",
-                   help="new upstream tag or commit (starts, or picks up the port for REF); with --dry-run also"
-                        " NAME==VERSION")
+                   help="new upstream tag or commit (starts, or picks up the port for REF); or a PyPI release"
+                        " NAME==VERSION, with --upstream-commit or --dry-run")
+    p.add_argument("--upstream-commit", metavar="SHA", default="",
+                   help="with --onto NAME==VERSION: the 40-hex upstream commit of the release's tag (its release"
+                        " page shows it), pinned at the finish; the port keeps it")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--continue", dest="resume", action="store_true",
                       help="go on after resolving the stopped patch (give --why when you changed it)")
@@ -429,10 +443,11 @@ def cmd_check(args, manifest, forks) -> int:
         if not problems:
             print(f"{fork.name}: ok, {len(st.series.names())} patches ({where})")
         bad += bool(problems)
-    return EXIT_CHECK if bad + _check_ports(manifest, forks, bool(args.forks)) else EXIT_OK
+    index = (_indexes(args), args.find_links)
+    return EXIT_CHECK if bad + _check_ports(manifest, forks, bool(args.forks), index) else EXIT_OK
 
 
-def _check_ports(manifest, forks, chosen: bool) -> int:
+def _check_ports(manifest, forks, chosen: bool, index: tuple[list[str], list[Path]]) -> int:
     """Lint the port directories of the chosen forks (every one when none was named); how many are bad."""
     bad, names = 0, {f.name for f in forks}
     for directory in port_mod.all_dirs(manifest.root):
@@ -440,7 +455,7 @@ def _check_ports(manifest, forks, chosen: bool) -> int:
                      None)
         if owner is None and chosen or owner is not None and owner.name not in names:
             continue
-        problems, done = rebase_mod.check_port(manifest.root, owner, directory)
+        problems, done = rebase_mod.check_port(manifest.root, owner, directory, *index)
         label = f"port {directory.relative_to(manifest.root)}"
         for problem in problems:
             print(f"{label}: {problem}")
@@ -489,7 +504,8 @@ def cmd_rebase(args, manifest, forks) -> int:
         print(f"{fork.name}: {result.summary()}; draft report {path.relative_to(root)}")
         return EXIT_CHECK if result.conflicted else EXIT_OK
     elif args.onto:
-        print(rebase_mod.start(root, fork, args.onto, say=_say, drop=drop))
+        print(rebase_mod.start(root, fork, args.onto, say=_say, drop=drop, upstream=args.upstream_commit,
+                               index_urls=_indexes(args), find_links=args.find_links))
     else:
         print(rebase_mod.drop(root, fork, drop, say=_say))
     return EXIT_OK
@@ -512,6 +528,8 @@ def _check_rebase_args(args) -> None:
         wrong = "--continue and --abort take no --onto or --drop; run them on their own"
     elif args.status and args.drop:
         wrong = "--status takes no --drop"
+    elif args.upstream_commit and not (args.onto and rebase_mod.is_release(args.onto) and not args.dry_run):
+        wrong = "--upstream-commit goes with --onto NAME==VERSION, to start or pick up the rebase onto that release"
     if wrong:
         raise ops.ForkError(f"rebase: {wrong}")
 

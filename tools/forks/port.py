@@ -15,6 +15,7 @@ port.toml:
     from = "<40-hex commit>"
     to_ref = "v0.6.1"
     to = "<40-hex commit>"
+    upstream = "<40-hex commit>"               # a port onto a PyPI release only: the commit of its tag
 
     [[patch]]
     name = "run-the-megatron-workers-on-cpu"   # the old file's name without .patch
@@ -28,8 +29,13 @@ port.toml:
 
 ported: its diff's changed lines are the old ones (context may have moved). reworked: they differ; the why
 says what and why. dropped: upstream has its equivalent; the why names it (file, function, PR or commit).
-obsolete: nothing needs it any more; the why says what went away. This module reads, checks and writes the
-directory; what goes in it is `tools.forks.rebase`'s business.
+obsolete: nothing needs it any more; the why says what went away.
+
+A port onto a PyPI release (`rebase --onto NAME==VERSION --upstream-commit SHA`, for a fork without upstream's
+git history) has `to` = the release's PyPI-derived commit, which the replay runs on, and `upstream` = the commit
+of the release's tag, which the finish pins; its [pypi] names the release's sdist.
+
+This module reads, checks and writes the directory; what goes in it is `tools.forks.rebase`'s business.
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ NEEDS_WHY = (REWORKED, DROPPED, OBSOLETE, ADDED)
 PLACEHOLDER = "TODO: say what changed and why (rebase --continue --why, or write it here)"
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _TOP = ("fork", "from_ref", "from", "to_ref", "to")
-_OPTIONAL_TOP = ("to_note",)  # what `to` is where it is no upstream commit (a PyPI-derived tree)
+# to_note: what `to` is where it is no upstream commit (a PyPI-derived tree); upstream: then, the commit the
+# finish pins (the release tag's), which no tree here holds
+_OPTIONAL_TOP = ("to_note", "upstream")
 _PATCH_KEYS = ("name", "verdict", "why")
 _SESSION_KEYS = ("started", "elapsed", "patches")
 _PYPI_KEYS = ("requirement", "file", "sha256", "note", "lacks")  # forks.toml's `pypi` for the new pin (PyPISource)
@@ -99,6 +107,7 @@ class Port:
     sessions: list[Session] = field(default_factory=list)
     to_note: str = ""
     pypi: dict[str, str | list[str]] = field(default_factory=dict)  # the new pin's PyPI source; the finish writes it
+    upstream: str = ""  # a port onto a PyPI release: the upstream commit of its tag, what the finish pins
 
     def entry(self, name: str) -> Entry:
         """The entry named `name` (with or without .patch); PortError naming the choices otherwise."""
@@ -172,7 +181,17 @@ def load(directory: Path) -> Port:
     sessions = [_session(path, i, t) for i, t in enumerate(_tables(path, data, "session"))]
     to_note = _string(path, "to_note", data["to_note"]) if "to_note" in data else ""
     return Port(directory, top["fork"], top["from_ref"], top["from"], top["to_ref"], top["to"], entries, sessions,
-                to_note, _pypi(path, data.get("pypi")))
+                to_note, _pypi(path, data.get("pypi")), _upstream(path, data))
+
+
+def _upstream(path: Path, data: dict) -> str:
+    if "upstream" not in data:
+        return ""
+    value = _string(path, "upstream", data["upstream"])
+    if not _SHA.match(value):
+        raise PortError(f"{path}: upstream = {value!r} is not a 40-hex commit id; write the full id of the"
+                        f" release's tag {data.get('to_ref', '')} (its release page shows it)")
+    return value
 
 
 def _pypi(path: Path, table) -> dict[str, str | list[str]]:
@@ -261,6 +280,7 @@ def save(port: Port) -> None:
         f"# The {port.fork} series ported from {port.from_ref} to {port.to_ref}: third_party/patches/PORTING.md",
         *(f"{key} = {_quote(value)}" for key, value in zip(_TOP, _top_values(port), strict=True)),
         *([f"to_note = {_quote(port.to_note)}"] if port.to_note else []),
+        *([f"upstream = {_quote(port.upstream)}"] if port.upstream else []),
     ]
     if port.pypi:
         lines += ["", "[pypi]", *(f"{key} = {_value(value)}" for key, value in port.pypi.items())]

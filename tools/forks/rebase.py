@@ -11,6 +11,12 @@ this machine's state in `<git dir>/recipe-rebase.json`: go on with `--continue [
 `--drop NAME --why` (or `--obsolete`), or undo with `--abort`. git rerere is on in the fork (its own config and
 git dir), so a resolution made before an `--abort` is offered again on the next try.
 `--dry-run` is `tools.forks.rehearsal`: the whole replay in a scratch repository.
+
+`--onto NAME==VERSION --upstream-commit SHA` rebases a fork without upstream's git history (vLLM: PyPI sdists
+only) onto a PyPI release. The new base is the release's sdist laid out on the pin's PyPI-derived commit (what
+the dry run builds; the same files give the same id), the port's `upstream` keeps SHA (the commit of the
+release's tag), and the finish pins SHA with the release's sdist as the fork's `pypi`, the branch moved onto
+the root commit `sync` makes of that sdist.
 """
 
 from __future__ import annotations
@@ -20,14 +26,14 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tools.forks import git, ops
+from tools.forks import git, ops, sources
 from tools.forks import manifest as manifest_mod
 from tools.forks import port as port_mod
-from tools.forks.manifest import Fork
+from tools.forks.manifest import Fork, PyPISource
 from tools.forks.port import Entry, Port
 from tools.forks.series import Series
 
@@ -49,6 +55,18 @@ class Drop:
     verdict: str = port_mod.DROPPED
 
 
+@dataclass(frozen=True)
+class Onto:
+    """Where a rebase goes, in the fork's repository."""
+
+    ref: str  # the port's to_ref: the tag or commit named, or the release's tag
+    commit: str  # the new base: that commit, or the release's PyPI-derived commit
+    since: str  # where upstream's changes start: the pin, or its PyPI-derived commit
+    upstream: str = ""  # a release: the upstream commit of its tag, what the finish pins
+    pypi: PyPISource | None = None  # a release: its sdist
+    location: str = ""  # a release: where its sdist was found
+
+
 def _state_path(repo: Path) -> Path:
     return git.git_dir(repo) / STATE_FILE
 
@@ -62,6 +80,11 @@ def is_release(onto: str) -> bool:
     return "==" in onto
 
 
+def release_tag(fork: Fork, version: str) -> str:
+    """Upstream's tag of a release (forks.toml's release_tags, "v{version}" unless given)."""
+    return fork.release_tags.format(version=version)
+
+
 def _quiet(_line: str) -> None:
     pass
 
@@ -69,10 +92,16 @@ def _quiet(_line: str) -> None:
 # ---------------------------------------------------------------- start
 
 
-def start(root: Path, fork: Fork, onto: str, say: Say = _quiet, drop: Drop | None = None) -> str:
+def start(root: Path, fork: Fork, onto: str, say: Say = _quiet, drop: Drop | None = None, upstream: str = "",
+          index_urls: list[str] = (), find_links: list[Path] = ()) -> str:
+    """Start or pick up the port for `onto`: a tag or commit, or NAME==VERSION with the upstream commit of its
+    tag (`upstream`, else the port's), the release found on `index_urls` or in `find_links`."""
     st = _startable(root, fork, onto)
-    new_base = git.resolve(st.path, onto) or _fetch(st.path, fork, onto)
-    port = _open_port(root, fork, st, onto, new_base, say)
+    if is_release(onto):
+        target = _release(root, st, onto, upstream, index_urls, find_links)
+    else:
+        target = Onto(onto, git.resolve(st.path, onto) or _fetch(st.path, fork, onto), st.base)
+    port = _open_port(root, fork, st, target, say)
     if drop:
         _mark(root, fork, port, load_entry(port, drop.name), drop)
     port.sessions.append(port_mod.Session(_now()))
@@ -81,7 +110,9 @@ def start(root: Path, fork: Fork, onto: str, say: Say = _quiet, drop: Drop | Non
         "port": str(port.dir.relative_to(root)),
         "to_ref": onto,
         "old_tip": st.tip,
-        "upstream": git.patch_ids_of_range(st.path, f"{st.base}..{new_base}"),
+        "old_base": st.base,
+        "upstream": git.patch_ids_of_range(st.path, f"{target.since}..{target.commit}"),
+        "release_location": target.location,
         "current": None,
         "stopped_at": None,
         "conflicts": [],
@@ -90,20 +121,21 @@ def start(root: Path, fork: Fork, onto: str, say: Say = _quiet, drop: Drop | Non
     }
     _save_port(port, data)
     git.enable_rerere(st.path)
-    git.run(st.path, "checkout", "--quiet", "-B", _scratch(fork), new_base)
+    git.run(st.path, "checkout", "--quiet", "-B", _scratch(fork), target.commit)
     return _replay(root, fork, st.path, data, port, 0, say)
 
 
 def _startable(root: Path, fork: Fork, onto: str) -> ops.State:
     st = ops.state(root, fork)
-    if is_release(onto):
-        raise ops.ForkError(f"{fork.name}: --onto {onto} is a PyPI release, which names no upstream commit for"
-                            f" forks.toml to pin. See its cost with --dry-run; rebase onto the release's git tag"
-                            f" (through a mirror: `git config url.<mirror>.insteadOf {fork.url}`)")
+    if is_release(onto) and fork.pypi is None:
+        raise ops.ForkError(f"{fork.name}: --onto {onto} names a PyPI release, but forks.{fork.name} has no `pypi`"
+                            " (no pinned sdist to lay the release on); name a git tag or commit")
     ops._require_present(st)
-    if st.source != "git":
-        raise ops.ForkError(f"{fork.name}: rebase needs the upstream history; this tree is {st.source}."
-                            f" Run `python -m tools.forks sync {fork.name} --source git --force` first")
+    if st.source != "git" and not is_release(onto):
+        release = f"; or name a PyPI release: --onto {fork.pypi.name}==<version> --upstream-commit SHA" if fork.pypi \
+            else ""
+        raise ops.ForkError(f"{fork.name}: --onto {onto} needs the upstream history; this tree is {st.source}."
+                            f" Run `python -m tools.forks sync {fork.name} --source git --force` first{release}")
     if _state_path(st.path).exists():
         raise ops.ForkError(f"{fork.name}: a rebase is already under way; use --continue, --drop or --abort"
                             f" (`python -m tools.forks rebase {fork.name} --status` says where it stopped)")
@@ -124,17 +156,76 @@ def _fetch(repo: Path, fork: Fork, onto: str) -> str:
                         f" {fork.url}; fetch it there first or name a tag or commit that exists")
 
 
-def _open_port(root: Path, fork: Fork, st: ops.State, onto: str, new_base: str, say: Say) -> Port:
-    """The port for `onto`: read and matched with the old series where it exists, else begun (all pending)."""
-    directory = port_mod.dir_for(root, fork.name, _label(onto))
+def _release(root: Path, st: ops.State, onto: str, given: str, index_urls: list[str],
+             find_links: list[Path]) -> Onto:
+    """`--onto NAME==VERSION`: the release's sdist laid out on the pin's PyPI-derived commit, in the fork."""
+    fork = st.fork
+    try:
+        target, location = sources.find_release(fork, onto, index_urls, find_links)
+        tag = release_tag(fork, target.version)
+        upstream = _upstream_commit(root, fork, onto, tag, given)
+        pin, commit = _release_base(st, target, location, index_urls, find_links)
+    except sources.SourceError as exc:
+        raise ops.ForkError(str(exc)) from None
+    return Onto(tag, commit, pin, upstream, target, location)
+
+
+def _release_base(st: ops.State, target: PyPISource, location: str, index_urls: list[str],
+                  find_links: list[Path]) -> tuple[str, str]:
+    """(the pin's PyPI-derived commit, the release `target`'s on top of it), in the fork's repository."""
+    pin = st.base if st.source == "pypi" else pin_commit(st.path, st.fork, index_urls, find_links)
+    return pin, release_commit(st.path, st.fork, target, location, pin)
+
+
+def pin_commit(repo: Path, fork: Fork, index_urls: list[str], find_links: list[Path]) -> str:
+    """The pin's sdist as the root commit `sync` makes of it, in `repo`."""
+    archive = sources.download(fork, sources.find_distribution(fork, index_urls, find_links))
+    return sources.commit_distribution(repo, fork, archive, parent=None, pinned=True)
+
+
+def release_commit(repo: Path, fork: Fork, target: PyPISource, location: str, parent: str) -> str:
+    """The release `target` (found at `location`) laid out on `parent` as a PyPI-derived commit of `repo`."""
+    to_target = replace(fork, pypi=target)
+    archive = sources.download(to_target, location)
+    return sources.commit_distribution(repo, to_target, archive, parent=parent, pinned=False)
+
+
+def _upstream_commit(root: Path, fork: Fork, onto: str, tag: str, given: str) -> str:
+    """The commit of the release's tag: `given` (--upstream-commit), else the port's `upstream`; they agree."""
+    directory = port_mod.dir_for(root, fork.name, _label(tag))
+    kept = load_port(directory).upstream if (directory / port_mod.PORT_FILE).exists() else ""
+    given = given.lower()
+    if given and not re.fullmatch(r"[0-9a-f]{40}", given):
+        raise ops.ForkError(f"{fork.name}: --upstream-commit {given!r} is not a 40-hex commit id; copy the full id"
+                            f" of {tag}")
+    if given and kept and given != kept:
+        raise ops.ForkError(f"{directory / port_mod.PORT_FILE}: upstream = {kept}, the commit of {tag} the port"
+                            f" began with, but --upstream-commit says {given}; check {tag}'s commit, then fix"
+                            " `upstream` there, or leave --upstream-commit out")
+    if not (given or kept):
+        page = f" ({fork.url.removesuffix('.git')}/releases/tag/{tag})" if "github.com" in fork.url else ""
+        raise ops.ForkError(f"{fork.name}: --onto {onto} is a PyPI release, and forks.toml pins the upstream commit"
+                            f" of its tag {tag}, which no sdist carries. Pass --upstream-commit SHA, the full"
+                            f" 40-hex commit of {tag}: its release page shows it{page}, or `git ls-remote"
+                            f" {fork.url} 'refs/tags/{tag}^{{}}'` where that URL is reachable. The port keeps it:"
+                            " once is enough")
+    return given or kept
+
+
+def _open_port(root: Path, fork: Fork, st: ops.State, target: Onto, say: Say) -> Port:
+    """The port for `target`: read and matched with the old series where it exists, else begun (all pending)."""
+    directory = port_mod.dir_for(root, fork.name, _label(target.ref))
     old = [name.removesuffix(".patch") for name in st.series.names()]
     if not (directory / port_mod.PORT_FILE).exists():
-        port = Port(directory, fork.name, fork.ref, st.base, onto, new_base, [Entry(n) for n in old])
+        port = Port(directory, fork.name, fork.ref, fork.commit, target.ref, target.commit, [Entry(n) for n in old],
+                    to_note=_to_note(target))
+        _keep_release(port, target)
         port_mod.write_series(port, st.series.layout())
         say(f"{fork.name}: new port {directory.relative_to(root)} ({len(old)} patches pending)")
         return port
     port = load_port(directory)
-    _require_matches(port, fork, st, new_base)
+    _require_matches(port, fork, st, target.commit)
+    _keep_release(port, target)
     _follow_series(port, old, say)
     counts = ", ".join(f"{v} {port.count(v)}" for v in port_mod.VERDICTS if port.count(v))
     say(f"{fork.name}: port {directory.relative_to(root)} ({counts})")
@@ -152,12 +243,33 @@ def _require_matches(port: Port, fork: Fork, st: ops.State, new_base: str) -> No
     where = port.dir / port_mod.PORT_FILE
     if port.fork != fork.name:
         raise ops.ForkError(f"{where}: fork = {port.fork!r}, but it sits where {fork.name}'s port goes; fix `fork`")
-    if port.from_ != st.base:
+    if port.from_ not in (fork.commit, st.base):  # a PyPI tree's base is the pin's PyPI-derived commit
         raise ops.ForkError(f"{where}: the port starts from {port.from_ref} ({port.from_[:12]}), the pin is"
-                            f" {fork.ref} ({st.base[:12]}); set the pin back, or move the port away to begin anew")
+                            f" {fork.ref} ({fork.commit[:12]}); set the pin back, or move the port away to begin"
+                            " anew")
     if port.to != new_base:
         raise ops.ForkError(f"{where}: to = {port.to[:12]}, but {port.to_ref} is {new_base[:12]} here (a moved"
                             " tag?); fix `to`, or move the port away to begin anew")
+
+
+def _to_note(target: Onto) -> str:
+    if not target.upstream:
+        return ""
+    return (f"to is not upstream's {target.ref} commit ({target.upstream}, `upstream`, what the finish pins): it is"
+            f" the PyPI-derived commit of {target.pypi.file} (sha256 {target.pypi.sha256}), laid out on the pin's"
+            f" PyPI-derived commit {target.since} as `rebase --dry-run` builds it; the same files give the same id.")
+
+
+def _keep_release(port: Port, target: Onto) -> None:
+    """A release's upstream commit and sdist go into port.toml, for --continue, other machines and the finish."""
+    if not target.upstream:
+        return
+    found = {"requirement": target.pypi.requirement, "file": target.pypi.file, "sha256": target.pypi.sha256}
+    if port.pypi and (port.pypi["file"], port.pypi["sha256"]) != (found["file"], found["sha256"]):
+        raise ops.ForkError(f"{port.dir / port_mod.PORT_FILE}: [pypi] names {port.pypi['file']} (sha256"
+                            f" {port.pypi['sha256']}), but {found['requirement']} is {found['file']} (sha256"
+                            f" {found['sha256']}); fix [pypi] or delete it (the release's sdist goes there)")
+    port.upstream, port.pypi = target.upstream, port.pypi or found
 
 
 def _follow_series(port: Port, old: list[str], say: Say) -> None:
@@ -457,18 +569,20 @@ def _finish_or_wait(root: Path, fork: Fork, repo: Path, data: dict, port: Port) 
 
 
 def _finish(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
-    new_tip = git.out(repo, "rev-parse", "HEAD")
+    _save_state(repo, data)  # a step below that fails (a release's sdist gone from the cache) leaves --continue
+    replayed = git.out(repo, "rev-parse", "HEAD")
+    range_diff = git.out(repo, "range-diff", "--no-color", f"{data.get('old_base') or port.from_}..{data['old_tip']}",
+                         f"{port.to}..{replayed}")
+    base, new_tip = _as_synced(fork, repo, data, port, replayed) if port.upstream else (port.to, replayed)
     git.run(repo, "update-ref", ops.BACKUP_REF.format(fork.name), data["old_tip"])
     git.run(repo, "checkout", "--quiet", "-B", fork.branch, new_tip)
     git.run(repo, "branch", "--quiet", "-D", _scratch(fork))
-    git.set_config(repo, "recipe.base", port.to)
-    range_diff = git.out(repo, "range-diff", "--no-color", f"{port.from_}..{data['old_tip']}",
-                         f"{port.to}..{new_tip}")
+    git.set_config(repo, "recipe.base", base)
     # Move the pin first: export reads the base from forks.toml.
-    pin = {"ref": port.to_ref, "commit": port.to, **({"pypi": port.pypi} if port.pypi else {})}
+    pin = {"ref": port.to_ref, "commit": port.upstream or port.to, **({"pypi": port.pypi} if port.pypi else {})}
     manifest_mod.set_keys(root / manifest_mod.MANIFEST, fork.name, pin)
     moved = manifest_mod.load(root).forks[fork.name]
-    ops.set_gitlink(root, fork, port.to)
+    ops.set_gitlink(root, fork, moved.commit)
     ops.export(root, moved)
     _tick(port, data)  # the last session's time, for the report
     report = report_path(root, fork, port.from_ref, port.to_ref)
@@ -476,13 +590,55 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
     shutil.rmtree(port.dir)
     _state_path(repo).unlink(missing_ok=True)
     kept, dropped, changed, new = port.tally()
-    summary = (f"rebased {fork.name} onto {port.to_ref} ({port.to[:12]}): kept {kept}, dropped {dropped},"
+    summary = (f"rebased {fork.name} onto {port.to_ref} ({moved.commit[:12]}): kept {kept}, dropped {dropped},"
                f" changed {changed}{f', added {new}' if new else ''}; report {report.relative_to(root)}")
     if fork.pypi and not port.pypi:
         summary += (f"\nnote: forks.{fork.name}.pypi still names {fork.pypi.requirement}, the old pin's"
                     " distribution: set requirement, file and sha256 for the new release, or remove it (a [pypi]"
                     f" table in {port_mod.PORT_FILE} does it at the finish)")
     return summary
+
+
+def _as_synced(fork: Fork, repo: Path, data: dict, port: Port, replayed: str) -> tuple[str, str]:
+    """A release's finish: the commit `sync` makes of the new pin's sdist (a root commit, `to`'s tree), the
+    replayed branch grafted onto it, and the config sync records; returns (that commit, the new tip)."""
+    if not port.pypi:
+        raise ops.ForkError(f"{port.dir / port_mod.PORT_FILE}: a port with `upstream` needs [pypi], the release's"
+                            f" sdist; `rebase {fork.name} --onto NAME==VERSION` writes it")
+    moved = replace(fork, ref=port.to_ref, commit=port.upstream, pypi=_pypi_source(port.pypi))
+    location = data.get("release_location") or str(sources.cache_dir() / moved.pypi.file)
+    try:
+        synced = sources.commit_distribution(repo, moved, sources.download(moved, location), parent=None,
+                                             pinned=True)
+    except (sources.SourceError, OSError) as exc:
+        raise ops.ForkError(f"{fork.name}: {moved.pypi.file} for the new pin: {exc}; every patch is through:"
+                            f" bring it back (--find-links at the start), then --continue") from None
+    if git.out(repo, "rev-parse", f"{synced}^{{tree}}") != git.out(repo, "rev-parse", f"{port.to}^{{tree}}"):
+        raise ops.ForkError(f"{fork.name}: {moved.pypi.file} laid out as `sync` does is not the tree of `to`"
+                            f" ({port.to[:12]}) the port was replayed on; check [pypi] in {port.dir.name}")
+    if git.resolve(repo, f"refs/tags/{moved.ref}") is None:
+        git.run(repo, "tag", moved.ref, synced, config=git.NO_SIGNING)  # as sync tags it
+    git.set_config(repo, "recipe.source", "pypi")
+    git.set_config(repo, "recipe.upstream-commit", moved.commit)
+    return synced, _graft(repo, port.to, replayed, synced)
+
+
+def _pypi_source(table: dict) -> PyPISource:
+    return PyPISource(table["requirement"], table["file"], table["sha256"], table.get("note", ""),
+                      tuple(table.get("lacks", ())))
+
+
+def _graft(repo: Path, base: str, tip: str, onto: str) -> str:
+    """base..tip again on `onto`, whose tree is base's: the same trees, messages, authors and dates, so the
+    commits `apply` makes of the series there. Returns the new tip."""
+    parent = onto
+    for sha in git.commits(repo, base, tip):
+        header, _, message = git.run(repo, "cat-file", "commit", sha).stdout.partition("\n\n")
+        lines = [line for line in header.split("\n") if not line.startswith("parent ")]
+        lines.insert(1, f"parent {parent}")  # after `tree`
+        parent = git.out(repo, "hash-object", "-t", "commit", "-w", "--stdin",
+                         input="\n".join(lines) + "\n\n" + message)
+    return parent
 
 
 def report_path(root: Path, fork: Fork, from_ref: str, to_ref: str) -> Path:
@@ -506,7 +662,9 @@ def _report(port: Port, range_diff: str) -> str:
         f"# {port.fork}: series rebased from {port.from_ref} to {port.to_ref}",
         "",
         f"- from: `{port.from_ref}` ({port.from_})",
-        f"- to: `{port.to_ref}` ({port.to})",
+        f"- to: `{port.to_ref}` ({port.upstream or port.to})",
+        *([f"- replayed on: {port.to}, the PyPI-derived commit of {port.pypi['file']} (no upstream history here)"]
+          if port.upstream else []),
         f"- kept: {kept}, dropped: {dropped}, changed: {changed}, added: {new} ({counts})",
         f"- time: {duration(port.elapsed)} over {len(port.sessions)} session(s), conflicts resolved included",
         "",
@@ -551,7 +709,8 @@ def _port_dir(root: Path, fork: Fork, onto: str | None, data: dict | None) -> Pa
     if data:
         return root / data["port"]
     if onto:
-        return port_mod.dir_for(root, fork.name, _label(onto))
+        ref = release_tag(fork, onto.partition("==")[2].strip()) if is_release(onto) else onto
+        return port_mod.dir_for(root, fork.name, _label(ref))
     dirs = port_dirs(root, fork.name)
     if len(dirs) != 1:
         raise ops.ForkError(f"{fork.name}: {len(dirs)} ports ({', '.join(d.name for d in dirs) or 'none'});"
@@ -570,7 +729,8 @@ def _where(root: Path, fork: Fork, port: Port, data: dict | None) -> list[str]:
         lines.append("every patch is through; whys to write: "
                      + ", ".join(e.name for e in port.entries if e.unexplained))
     else:
-        lines.append(f"no replay under way here; `python -m tools.forks rebase {fork.name} --onto {port.to_ref}`"
+        onto = port.pypi["requirement"] if port.upstream and port.pypi else port.to_ref
+        lines.append(f"no replay under way here; `python -m tools.forks rebase {fork.name} --onto {onto}`"
                      " replays the port and goes on")
     pending = [e.name for e in port.pending()]
     lines.append(f"left: {len(pending)} pending" + (f", next {pending[0]}" if pending else ""))
@@ -581,9 +741,11 @@ def _where(root: Path, fork: Fork, port: Port, data: dict | None) -> list[str]:
     return lines
 
 
-def check_port(root: Path, fork: Fork | None, directory: Path) -> tuple[list[str], str]:
-    """Lint one port directory and, where the fork's source holds `to`, apply its patches onto `to` in a
-    scratch index (nothing of the fork changes). Returns (problems, what was done)."""
+def check_port(root: Path, fork: Fork | None, directory: Path, index_urls: list[str] = (),
+               find_links: list[Path] = ()) -> tuple[list[str], str]:
+    """Lint one port directory and, where the fork's source holds `to` (or `to` is a release's PyPI-derived
+    commit, built as the rebase builds it), apply its patches onto `to` in a scratch index (nothing of the
+    fork changes but objects). Returns (problems, what was done)."""
     try:
         port = port_mod.load(directory)
     except port_mod.PortError as exc:
@@ -595,12 +757,44 @@ def check_port(root: Path, fork: Fork | None, directory: Path) -> tuple[list[str
     st = ops.state(root, fork)
     if st.source == "absent":
         return problems, "lint only (source absent)"
-    if st.source != "git" or git.resolve(st.path, port.to) is None:
+    missing = _without_to(st, port, index_urls, find_links)
+    if missing:
         return problems, (f"lint only: {port.to_ref} ({port.to[:12]}) is not in the {st.source} tree at"
-                          f" {fork.path} (sync it with --source git to replay the port)")
+                          f" {fork.path} ({missing})")
     failed = git.apply_check(st.path, port.to, [port.dir / e.file for e in port.carried()
                                                 if (port.dir / e.file).is_file()])
     if failed:
         problems.append(f"{failed[0]}: does not apply onto {port.to_ref} after the port's patches before it:"
                         f" {failed[1]}")
     return problems, f"lint + the port's patches apply onto {port.to_ref}"
+
+
+def _without_to(st: ops.State, port: Port, index_urls: list[str], find_links: list[Path]) -> str:
+    """Why the port's `to` is not in the fork's repository; "" when it is. On a PyPI tree (or for a port with
+    `upstream`) the release its `to_ref` names is built there first, as the rebase builds it."""
+    if git.resolve(st.path, port.to):
+        return ""
+    hint = "sync it with --source git to replay the port"
+    requirement = _release_of(st.fork, port)
+    if st.base is None or requirement is None or not (st.source == "pypi" or port.upstream):
+        return hint
+    try:
+        target, location = sources.find_release(st.fork, requirement, index_urls, find_links)
+        built = _release_base(st, target, location, index_urls, find_links)[1]
+    except (sources.SourceError, OSError, ValueError) as exc:  # an index or a download out of reach
+        said = str(exc).splitlines()[0]
+        return f"{requirement}'s PyPI-derived commit, to replay the port on, could not be built: {said}"
+    if built != port.to:
+        return f"{requirement}'s PyPI-derived commit is {built[:12]}, not `to`; {hint}"
+    return ""
+
+
+def _release_of(fork: Fork, port: Port) -> str | None:
+    """NAME==VERSION of the release a port goes to: its [pypi], else the fork's distribution at the version
+    of `to_ref` read with release_tags; None for a fork without `pypi` or a `to_ref` that is no release tag."""
+    if port.pypi:
+        return port.pypi["requirement"]
+    from tools.forks.upgrade import tag_version  # here: upgrade imports rehearsal, which imports this module
+
+    version = tag_version(fork.release_tags, port.to_ref) if fork.pypi else None
+    return f"{fork.pypi.name}=={version}" if version else None

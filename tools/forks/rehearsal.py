@@ -29,7 +29,7 @@ import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.forks import git, ops, rebase, sources
@@ -146,12 +146,9 @@ def _pypi_bases(fork: Fork, scratch: Path, onto: str, index_urls: list[str],
         raise ops.ForkError(f"{fork.name}: --onto {onto} names a PyPI release, but forks.{fork.name} has no"
                             " `pypi` (no pinned sdist to compare with); name a git tag or commit")
     try:
-        pin_file = sources.download(fork, sources.find_distribution(fork, index_urls, find_links))
         target, location = sources.find_release(fork, onto, index_urls, find_links)
-        to_target = replace(fork, pypi=target)
-        target_file = sources.download(to_target, location)
-        old = sources.commit_distribution(scratch, fork, pin_file, parent=None, pinned=True)
-        new = sources.commit_distribution(scratch, to_target, target_file, parent=old, pinned=False)
+        old = rebase.pin_commit(scratch, fork, index_urls, find_links)
+        new = rebase.release_commit(scratch, fork, target, location, parent=old)
     except sources.SourceError as exc:
         raise ops.ForkError(str(exc)) from None
     return Base(fork.ref, old, fork.pypi), Base(onto, new, target)
@@ -264,8 +261,8 @@ def report(r: Rehearsal) -> str:
         f"# {r.fork}: dry run of a rebase from {r.old.ref} to {r.new.ref} (draft)",
         "",
         f"Nothing was changed: `python -m tools.forks rebase {r.fork} --onto {r.new.ref} --dry-run` replayed the"
-        " series on disk in a scratch repository. " + ("The rebase itself needs the release's git tag, and reports"
-                                                       " beside this draft." if r.new.pypi else
+        " series on disk in a scratch repository. " + ("The rebase itself (with --upstream-commit, the commit of the"
+                                                       " release's tag) reports beside this draft." if r.new.pypi else
                                                        "The rebase itself replaces this draft with its report."),
         "",
         f"- from: {r.old.describe()}",
