@@ -165,3 +165,20 @@ def test_every_patch_has_its_row_in_the_upstream_overlap_tables():
         names = Series(manifest.root / fork.patches).layout().names
         missing = [n.removesuffix(".patch") for n in names if n.removesuffix(".patch") not in rows]
         assert not missing, f"{fork.name}: no row in third_party/patches/CHANGES.md for {missing}"
+
+
+def test_rebase_keeps_the_header_of_a_patch_whose_subject_the_port_changed(with_series, capsys):
+    p = with_series
+    _with_topics(p)
+    assert p.cli("rebase", "demo", "--onto", "v2") == 3  # A is carried into the port, C conflicts
+    assert p.cli("rebase", "demo", "--abort") == 0
+    carried = p.root / "third_party/patches/ports/demo-v2" / A
+    subject = PATCHES[0][0]
+    carried.write_text(carried.read_text().replace(f"Subject: {subject}", "Subject: Add a switch"))
+    assert p.cli("rebase", "demo", "--onto", "v2") == 3
+    (p.fork / "config.py").write_text("batch = 64\nlr = 0.1\n")
+    git(p.fork, "add", "config.py")
+    assert p.cli("rebase", "demo", "--continue", "--why", "v2 set 32; we keep 64") == 0
+    assert (p.patches / "series").read_text() == (
+        SERIES_HEADER + "\n# == Features ==\n# what the recipe switches on\nadd-a-switch.patch\n"
+        f"\n# == Defaults ==\n{C}\n"), "the renamed patch stays under its topic"

@@ -314,8 +314,9 @@ def apply(root: Path, fork: Fork, dry_run: bool = False) -> str:
 # ---------------------------------------------------------------- export
 
 
-def export(root: Path, fork: Fork, check: bool = False) -> list[str]:
-    """Write the branch as the series (or, with check, list what differs); returns changed files."""
+def export(root: Path, fork: Fork, check: bool = False, renames: dict[str, str] | None = None) -> list[str]:
+    """Write the branch as the series (or, with check, list what differs); returns changed files. `renames`
+    (old patch file -> new) keeps a renamed patch under its topic header."""
     st = state(root, fork)
     _require_present(st)
     if st.tip is None:
@@ -325,7 +326,8 @@ def export(root: Path, fork: Fork, check: bool = False) -> list[str]:
                         "rebuild it with `apply` or move the pin with `rebase`")
     if git.has_merges(st.path, st.base, st.tip):
         raise ForkError(f"{fork.name}: {fork.branch} has merge commits; a series must be linear")
-    rendered = series_mod.render(st.path, git.commits(st.path, st.base, st.tip), st.series.layout())
+    layout = series_mod.renamed(st.series.layout(), renames or {})
+    rendered = series_mod.render(st.path, git.commits(st.path, st.base, st.tip), layout)
     if check:
         changed = series_mod.differences(st.series, rendered)
         if changed and st.tip == st.recorded_tip and st.recorded_series != st.series.digest():

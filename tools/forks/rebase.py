@@ -33,6 +33,7 @@ from pathlib import Path
 from tools.forks import git, ops, sources
 from tools.forks import manifest as manifest_mod
 from tools.forks import port as port_mod
+from tools.forks import series as series_mod
 from tools.forks.manifest import Fork, PyPISource
 from tools.forks.port import Entry, Port
 from tools.forks.series import Series
@@ -583,7 +584,7 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
     manifest_mod.set_keys(root / manifest_mod.MANIFEST, fork.name, pin)
     moved = manifest_mod.load(root).forks[fork.name]
     ops.set_gitlink(root, fork, moved.commit)
-    ops.export(root, moved)
+    ops.export(root, moved, renames=_renames(repo, port, base, new_tip))
     _tick(port, data)  # the last session's time, for the report
     report = report_path(root, fork, port.from_ref, port.to_ref)
     report.write_text(_report(port, range_diff), encoding="utf-8")
@@ -597,6 +598,17 @@ def _finish(root: Path, fork: Fork, repo: Path, data: dict, port: Port) -> str:
                     " distribution: set requirement, file and sha256 for the new release, or remove it (a [pypi]"
                     f" table in {port_mod.PORT_FILE} does it at the finish)")
     return summary
+
+
+def _renames(repo: Path, port: Port, base: str, tip: str) -> dict[str, str]:
+    """Old patch file -> the file its replayed commit exports as (a reworded subject renames it): one commit per
+    carried patch, in order."""
+    carried = port.carried()
+    commits = git.commits(repo, base, tip)
+    if len(commits) != len(carried):
+        return {}
+    names = series_mod.file_names(repo, commits)
+    return {e.file: new for e, new in zip(carried, names, strict=True) if e.verdict != port_mod.ADDED}
 
 
 def _as_synced(fork: Fork, repo: Path, data: dict, port: Port, replayed: str) -> tuple[str, str]:

@@ -298,12 +298,24 @@ def file_name(subject: str, taken: set[str]) -> str:
 def render(repo: Path, commit_ids: list[str], on_disk: Layout) -> dict[str, str]:
     """Patch file name -> content for commits (oldest first), plus the `series` text under SERIES,
     its patches grouped under the topic headers of `on_disk` (the series being replaced)."""
-    files: dict[str, str] = {}
-    for sha in commit_ids:
-        subject = git.out(repo, "log", "-1", "--format=%s", sha)
-        files[file_name(subject, set(files))] = git.format_patch(repo, sha)
+    names = file_names(repo, commit_ids)
+    files = {name: git.format_patch(repo, sha) for name, sha in zip(names, commit_ids, strict=True)}
     files[SERIES] = format_layout(arrange(on_disk, list(files)))
     return files
+
+
+def file_names(repo: Path, commit_ids: list[str]) -> list[str]:
+    """The patch file name of each commit (oldest first), as export names them."""
+    names: list[str] = []
+    for sha in commit_ids:
+        names.append(file_name(git.out(repo, "log", "-1", "--format=%s", sha), set(names)))
+    return names
+
+
+def renamed(layout: Layout, names: dict[str, str]) -> Layout:
+    """`layout` with patches renamed (old file name -> new), so that their topic headers follow them."""
+    return Layout(tuple(Group(g.header, tuple(names.get(n, n) for n in g.patches)) for g in layout.groups),
+                  layout.lost)
 
 
 def differences(series: Series, rendered: dict[str, str]) -> list[str]:
