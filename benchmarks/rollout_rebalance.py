@@ -1,6 +1,6 @@
 """The rollout rebalance, live, off and on side by side (verl series: rollout/rebalance/loop.py).
 
-Two gloo processes each build vLLM 0.9.1's V1 CPU engine on a tiny random Llama (tools/weights/tiny_llama.py)
+Two gloo processes each build vLLM 0.11.0's V1 CPU engine on a tiny random Llama (tools/weights/tiny_llama.py)
 and run one skewed rollout under greedy decoding: rank 0 gets the long answers (LONG_PROMPTS x LONG tokens),
 rank 1 a few short ones, MAX_SEQS sequences per engine at a time. Off: the engines step in lockstep and
 nothing moves; on: every CHECK_EVERY steps the loads are shared and sequences move with their KV blocks.

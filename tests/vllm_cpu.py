@@ -1,4 +1,4 @@
-"""vLLM 0.9.1's V1 CPU engine, one per gloo rank, in the rank's own process (the live rebalance test and benchmark).
+"""vLLM 0.11's V1 CPU engine, one per gloo rank, in the rank's own process (the live rebalance test and benchmark).
 
 Test and benchmark tooling: `engine_rank` makes this process a gloo rank with the environment vLLM reads to run
 in-process on CPU, and `tiny_engine` builds the engine on a tiny model (tools/weights/tiny_llama.py) the way
@@ -10,13 +10,19 @@ from __future__ import annotations
 import contextlib
 import os
 
-# V1 engine core in this process (no worker processes), no plugins (vllm-ascend), 1 GiB of KV cache.
-VLLM_CPU_ENV = {
-    "VLLM_PLUGINS": "none",
-    "VLLM_USE_V1": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
+
+def vllm_cpu_env(world: int) -> dict[str, str]:
+    """The environment of one of `world` processes on this host that each run a V1 engine core in-process (no
+    worker processes), with no plugins (vllm-ascend) and 1 GiB of KV cache."""
+    return {
+        "VLLM_PLUGINS": "none",
+        "VLLM_USE_V1": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # One entry per process (the vllm series' external-launcher binding): "all" leaves the OpenMP threads where
+        # torch put them. The default, "auto", binds each process to its own NUMA node, and this host has one.
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(["all"] * world),
+    }
 
 
 @contextlib.contextmanager
@@ -32,7 +38,7 @@ def engine_rank(rank: int, port: int, world: int):
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
-        **VLLM_CPU_ENV,
+        **vllm_cpu_env(world),
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

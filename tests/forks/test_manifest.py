@@ -17,11 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # The pins of the foundation issue; changing one is a deliberate act (rebase) and shows up here.
 PINS = {
     "verl": ("third_party/verl", "v0.6.1", "d62da4950573d7a4b7ef2362337952e7ab59e78d"),
-    "vllm": ("third_party/vllm", "v0.9.1", "b6553be1bc75f046b00046a4ad7576364d03c835"),
-    "vllm-ascend": ("third_party/vllm-ascend", "v0.9.1", "0740d10211fcdcaa00d29e8659d7de892f5ed4d8"),
+    "vllm": ("third_party/vllm", "v0.11.0", "b8b302cde434df8c9289a2b465406b47ebab1c2d"),
+    "vllm-ascend": ("third_party/vllm-ascend", "v0.11.0", "2f1aed98ccdb0fcbe1ff4fd0abab225bfd8d0367"),
     "megatron": ("third_party/Megatron-LM", "core_v0.12.3", "3ea68ad6042cc1204386ae9364358f7c4de1bc37"),
-    "mindspeed": ("third_party/MindSpeed", "master@2025-08-28", "f6688c61bcfe45243ee5eb34c6f013b1e06eca81"),
-    "mindspeed-llm": ("third_party/MindSpeed-LLM", "v2.1.0", "7f128db1d7f31cc98106c77920ae0d2719417874"),
+    "mindspeed": ("third_party/MindSpeed", "v2.2.0_core_r0.12.1", "f321067c6fd1e32ad74848416942bdb899cf9627"),
+    "mindspeed-llm": ("third_party/MindSpeed-LLM", "v2.2.0", "53f3639c3da9c000a187c44cc0c08d55026ddded"),
 }
 
 
@@ -33,7 +33,7 @@ def test_real_manifest_has_the_six_pins():
     # vLLM-Ascend is not installed on cpu, but its series' tests run there (from its source tree)
     assert {f.name for f in m.select(profile="cpu", tests=True)} == {"verl", "vllm", "vllm-ascend", "megatron"}
     assert m.forks["verl"].test_profiles == m.forks["verl"].profiles, "test_profiles defaults to profiles"
-    assert m.stack["npu"]["torch_npu"] == "2.5.1.post1" and m.stack["cpu"]["torch"] == "2.13.0"
+    assert m.stack["npu"]["torch_npu"] == "2.7.1" and m.stack["cpu"]["torch"] == "2.13.0"
 
 
 def test_real_gitmodules_gitlinks_and_manifest_agree():

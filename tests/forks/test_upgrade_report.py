@@ -90,8 +90,8 @@ def test_forks_toml_declares_release_tags_once_with_the_version_in_them(tmp_path
     forks = manifest_mod.load(Path(__file__).parents[2]).forks
     assert forks["megatron"].release_tags == "core_v{version}" and forks["verl"].release_tags == "v{version}"
     assert {name: str(upgrade.pin_version(f)) for name, f in forks.items()} == {
-        "verl": "0.6.1", "vllm": "0.9.1", "vllm-ascend": "0.9.1", "megatron": "0.12.3", "mindspeed": "2.1.0",
-        "mindspeed-llm": "2.1.0"}
+        "verl": "0.6.1", "vllm": "0.11.0", "vllm-ascend": "0.11.0", "megatron": "0.12.3", "mindspeed": "2.2.0",
+        "mindspeed-llm": "2.2.0"}
     (tmp_path / "third_party/forks.toml").write_text(
         text.replace('release_tags = "core_v{version}"', 'release_tags = "core_v"'))
     with pytest.raises(manifest_mod.ManifestError, match=r"forks\.megatron\.release_tags: 'core_v' must hold"):

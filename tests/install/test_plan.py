@@ -64,17 +64,22 @@ def test_npu_order_and_environment():
     assert steps["vllm"].env["VLLM_TARGET_DEVICE"] == "empty"
     assert steps["vllm-ascend"].env["COMPILE_CUSTOM_KERNELS"] == "1"
     assert steps["vllm-ascend"].env["SOC_VERSION"] == "ascend910_9391"
-    assert [c[-1] for c in steps["torch"].commands] == ["torch==2.5.1", "torch_npu==2.5.1.post1"]
+    assert [c[-1] for c in steps["torch"].commands] == ["torch==2.7.1", "torch_npu==2.7.1"]
 
 
 def test_npu_on_x86_takes_the_cpu_build_of_torch():
     steps = {s.name: s for s in build_plan(real_context("npu", arch="x86_64"))}
     first = steps["torch"].commands[0]
-    assert "torch==2.5.1+cpu" in first and "https://download.pytorch.org/whl/cpu" in first
+    assert "torch==2.7.1+cpu" in first and "https://download.pytorch.org/whl/cpu" in first
 
 
 def _steps(device: str, **kw) -> dict:
     return {s.name: s for s in build_plan(real_context(device, **kw))}
+
+
+def _vllm_version() -> str:
+    """The release the vllm fork is pinned at (its ref in forks.toml), which its builds tell setuptools-scm."""
+    return manifest_mod.load(ROOT).forks["vllm"].ref.removeprefix("v")
 
 
 def test_cpu_builds_vllm_cpu_kernels_into_a_cached_wheel():
@@ -82,7 +87,8 @@ def test_cpu_builds_vllm_cpu_kernels_into_a_cached_wheel():
     assert vllm.kind == "wheel" and vllm.wheel is not None
     assert {k: vllm.env[k] for k in ("VLLM_TARGET_DEVICE", "VLLM_CPU_DISABLE_AVX512", "SETUPTOOLS_SCM_PRETEND_VERSION",
                                      "MAX_JOBS")} == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_DISABLE_AVX512": "true",
-                                                      "SETUPTOOLS_SCM_PRETEND_VERSION": "0.9.1", "MAX_JOBS": "2"}
+                                                      "SETUPTOOLS_SCM_PRETEND_VERSION": _vllm_version(),
+                                                      "MAX_JOBS": "2"}
     assert vllm.env["PATH"].startswith(str(ROOT / ".venv/bin") + ":"), "CMake >= 3.26 from the venv comes first"
     build, install = vllm.commands
     assert build[-7:-1] == ("pip", "wheel", "--no-build-isolation", "--no-deps", "--wheel-dir", str(vllm.wheel.folder))
@@ -116,7 +122,7 @@ def test_the_wheel_key_follows_what_decides_the_wheel_and_nothing_else(tmp_path)
 def test_npu_keeps_vllm_editable_without_kernels():
     vllm = _steps("npu")["vllm"]
     assert vllm.kind == "shell" and "-e" in vllm.commands[0]
-    assert vllm.env == {"SETUPTOOLS_SCM_PRETEND_VERSION": "0.9.1", "VLLM_TARGET_DEVICE": "empty"}
+    assert vllm.env == {"SETUPTOOLS_SCM_PRETEND_VERSION": _vllm_version(), "VLLM_TARGET_DEVICE": "empty"}
 
 
 def test_cuda_takes_vllm_kernels_from_the_pypi_wheel_of_the_pin():
@@ -137,7 +143,7 @@ def test_cuda_builds_transformer_engine_torch_against_the_installed_torch():
     assert order.index("torch") < order.index("transformer-engine") < order.index("requirements")
     te = _steps("cuda")["transformer-engine"]
     pinned = plan_mod.requirement_pin(real_context("cuda"), "transformer-engine")
-    assert pinned == "2.3.0", "the TE verl 0.4's Megatron-core 0.12.1 images use"
+    assert pinned == "2.3.0", "the newest TE Megatron-core 0.12 names (requirements/cuda.in says why, with torch 2.8)"
     assert te.commands[0][-1] == f"transformer_engine_torch=={pinned}"
     assert "--no-build-isolation" in te.commands[0] and "--no-deps" in te.commands[0]
     assert "transformer-engine" not in _order("cpu") and "transformer-engine" not in _order("npu")

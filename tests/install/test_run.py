@@ -112,24 +112,72 @@ def test_preflight_cann_missing_names_set_env(fake_stack, monkeypatch):
     assert not check.ok and "set_env.sh" in check.fix
 
 
-@pytest.mark.parametrize("installed, sourced, ok, words", [
-    ("8.2.RC1", True, True, "8.2.RC1"),
-    ("8.1.RC1", True, False, "is 8.1.RC1, the stack needs 8.2.RC1"),
-    ("8.2.RC1", False, False, "environment is not set"),
-])
-def test_preflight_cann_version_and_environment(fake_stack, tmp_path, monkeypatch, installed, sourced, ok, words):
+def _toolkit(tmp_path, monkeypatch, files: dict[str, str]):
+    """A CANN toolkit home with these files (paths under latest/), the default location for the test."""
+    home = tmp_path / "Ascend/ascend-toolkit/latest"
+    for name, text in files.items():
+        (home / name).parent.mkdir(parents=True, exist_ok=True)
+        (home / name).write_text(text)
+    home.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(run_mod, "DEFAULT_CANN", home)
+    return home
+
+
+def _cann_check(fake_stack, home, want: str, sourced: bool = True):
     from dataclasses import replace
 
-    home = tmp_path / "Ascend/ascend-toolkit/latest"
-    (home / "aarch64-linux").mkdir(parents=True)
-    info = home / "aarch64-linux/ascend_toolkit_install.info"
-    info.write_text(f"package_name=Ascend-cann-toolkit\nversion={installed}\n")
-    monkeypatch.setattr(run_mod, "DEFAULT_CANN", home)
     manifest = fake_stack.context().manifest
-    manifest.stack["npu"] = {"python": manifest.stack["cpu"]["python"], "cann": "8.2.RC1"}
+    manifest.stack["npu"] = {"python": manifest.stack["cpu"]["python"], "cann": want}
     ctx = replace(fake_stack.context(), device="npu", manifest=manifest)
-    check = _checks(ctx, {"ASCEND_TOOLKIT_HOME": str(home)} if sourced else {})["CANN"]
-    assert check.ok == ok and words in (check.detail if ok else check.detail + check.fix)
+    return _checks(ctx, {"ASCEND_TOOLKIT_HOME": str(home)} if sourced else {})["CANN"]
+
+
+@pytest.mark.parametrize("installed, sourced, ok, words", [
+    ("8.3.RC2", True, True, "8.3.RC2, of the 8.3 line"),
+    ("8.3.RC1", True, True, "8.3.RC1, of the 8.3 line"),  # vLLM-Ascend 0.11.0: CANN >= 8.3.rc1
+    ("8.3.0", True, True, "8.3.0, of the 8.3 line"),
+    ("8.2.RC1", True, False, "is 8.2.RC1, the stack needs CANN 8.3 (8.3.RC2, or another 8.3 release)"),
+    ("8.30.RC1", True, False, "is 8.30.RC1, the stack needs CANN 8.3"),  # a line, not a prefix
+    ("8.5.0", True, False, "is 8.5.0, the stack needs CANN 8.3"),
+    ("8.3.RC2", False, False, "environment is not set"),
+])
+def test_preflight_cann_takes_any_release_of_the_stack_line(fake_stack, tmp_path, monkeypatch, installed, sourced,
+                                                            ok, words):
+    home = _toolkit(tmp_path, monkeypatch, {"aarch64-linux/ascend_toolkit_install.info":
+                                            f"package_name=Ascend-cann-toolkit\nversion={installed}\n"
+                                            "innerversion=V100R001C23SPC001B212\n"})
+    check = _cann_check(fake_stack, home, "8.3.RC2", sourced)
+    assert check.ok == ok and words in (check.detail if ok else check.detail + check.fix), check
+
+
+def test_preflight_cann_refusal_names_the_found_and_the_needed_version(fake_stack, tmp_path, monkeypatch):
+    home = _toolkit(tmp_path, monkeypatch, {"x86_64-linux/ascend_toolkit_install.info": "version=8.2.RC1\n"})
+    check = _cann_check(fake_stack, home, "8.3.RC2")
+    assert not check.ok
+    assert check.detail == f"toolkit at {home} is 8.2.RC1, the stack needs CANN 8.3 (8.3.RC2, or another 8.3 release)"
+    assert "install CANN 8.3.RC2" in check.fix and "set_env.sh" in check.fix
+
+
+@pytest.mark.parametrize("files, found", [
+    # version.cfg states the build number, then the CANN version: the CANN version counts
+    ({"version.cfg": "runtime_running_version=[7.3.0.1.231:8.3.RC1]\ncompiler_running_version=[7.3.0.1.231:8.3.RC1]\n"},
+     "8.3.RC1"),
+    ({"version.cfg": "# version: 1.0\ntoolkit_running_version=[8.3.RC2]\n"}, "8.3.RC2"),
+    # the install info comes first
+    ({"version.cfg": "runtime_running_version=[7.3.0.1.231:8.2.RC1]\n",
+      "aarch64-linux/ascend_toolkit_install.info": "package_name=Ascend-cann-toolkit\nversion=8.3.RC2\n"}, "8.3.RC2"),
+    ({"aarch64-linux/ascend_toolkit_install.info": "innerversion=V100R001C23\n"}, None),
+])
+def test_cann_version_reads_the_install_info_then_version_cfg(tmp_path, monkeypatch, files, found):
+    assert run_mod.cann_version(_toolkit(tmp_path, monkeypatch, files)) == found
+
+
+@pytest.mark.parametrize("version, line", [("8.3.RC2", "8.3"), ("8.3.RC1", "8.3"), ("8.3.0", "8.3"), ("8.3", "8.3"),
+                                           ("8.2.RC1", "8.2"), ("10.0.RC1", "10.0"), ("RC2", None), ("", None)])
+def test_cann_line_is_major_minor(version, line):
+    from tools.install.plan import cann_line
+
+    assert cann_line(version) == line
 
 
 def test_preflight_failure_stops_before_any_step(fake_stack):

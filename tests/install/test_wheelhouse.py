@@ -71,7 +71,7 @@ def test_cuda_wheelhouse_builds_transformer_engine_torch_before_the_requirements
     from tests.install.test_plan import real_context
 
     cmds = wheelhouse.plan(real_context("cuda"), wheelhouse.Target(tmp_path, None, "3.11"))
-    torch = next(i for i, c in enumerate(cmds) if c[-1] == "torch==2.7.0" and "install" in c)
+    torch = next(i for i, c in enumerate(cmds) if c[-1] == "torch==2.8.0" and "install" in c)
     te = next(i for i, c in enumerate(cmds) if c[-1] == "transformer_engine_torch==2.3.0")
     reqs = next(i for i, c in enumerate(cmds) if "-r" in c)
     assert torch < te < reqs and "--no-build-isolation" in cmds[te]

@@ -49,7 +49,7 @@ def test_the_profiles_derive_the_graph_settings_instead_of_repeating_them(name):
     # the switch alone turns graph mode off; what needs graph mode is then refused, each key named
     with pytest.raises(config.ConfigError, match="recipe.rollout.torchair_graph=true") as err:
         load(name, "recipe.rollout.torchair_graph=false")
-    for key in ("graph_batch_sizes", "enable_multistream_mla", "enable_multistream_moe", "enable_kv_nz"):
+    for key in ("graph_batch_sizes", "enable_multistream_mla", "enable_kv_nz"):
         assert f"{GRAPH}.{key}" in str(err.value)
 
 
@@ -63,8 +63,8 @@ def test_cpu_tiny_gets_nothing_vllm_ascend_specific():
 @pytest.mark.parametrize("override, field, known", [
     (f"{EXTRA}.torchair_graph_cfg.enabled=true", f"{EXTRA}.torchair_graph_cfg", "dp_sync_on_device"),
     (f"{EXTRA}.dp_sync_on_devices=true", f"{EXTRA}.dp_sync_on_devices", "torchair_graph_config"),
-    # the reference passed this one; vLLM-Ascend 0.9.1 does not read it
-    (f"{GRAPH}.enable_frozen_parameter=false", f"{GRAPH}.enable_frozen_parameter", "enable_kv_nz"),
+    # what vLLM-Ascend 0.9.1 read; 0.11.0 reads multistream_overlap_shared_expert beside torchair_graph_config
+    (f"{GRAPH}.enable_multistream_moe=true", f"{GRAPH}.enable_multistream_moe", "enable_kv_nz"),
     (f"{SCHED}.enable=true", f"{SCHED}.enable", "enabled"),
     (f"{ENGINE}.max_num_seq=64", f"{ENGINE}.max_num_seq", "additional_config"),
 ])
@@ -95,8 +95,10 @@ def test_kv_nz_needs_prefill_and_decode_apart(override):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ([f"{GRAPH}.enable_super_kernel=true", f"{GRAPH}.enable_multistream_moe=false"],
-     rf"{GRAPH}\.enable_super_kernel needs enable_multistream_moe"),
+    ([f"{GRAPH}.enable_super_kernel=true", f"{EXTRA}.multistream_overlap_shared_expert=false"],
+     rf"{GRAPH}\.enable_super_kernel needs {EXTRA}\.multistream_overlap_shared_expert=true"),
+    ([f"{GRAPH}.enable_super_kernel=true"], rf"{GRAPH}\.enable_super_kernel needs .*tensor_model_parallel_size=1"),
+    ([f"{GRAPH}.mode=1"], rf"{GRAPH}\.mode must be a string"),
     ([f"{GRAPH}.use_cached_kv_cache_bytes=true"], rf"{GRAPH}\.use_cached_kv_cache_bytes needs use_cached_graph"),
     ([f"{GRAPH}.graph_batch_sizes_init=true"], rf"{GRAPH}\.graph_batch_sizes_init .*graph_batch_sizes empty"),
     ([f"{GRAPH}.enable_view_optimize=maybe"], rf"{GRAPH}\.enable_view_optimize must be true or false"),

@@ -36,7 +36,7 @@ def test_a_make_tiny_config_json_gives_its_sizes(tiny_config):
     assert (dims.experts, dims.shared_experts, dims.experts_per_token) == (8, 1, 4)
     assert (dims.hidden, dims.intermediate, dims.moe_intermediate, dims.vocab) == (200, 328, 72, 320)
     assert (dims.heads, dims.q_lora_rank, dims.kv_lora_rank, dims.qk_head, dims.v_head) == (4, 96, 64, 32, 24)
-    assert dims.max_positions == 4096 and not dims.tie_embeddings
+    assert dims.max_positions == 163840 and not dims.tie_embeddings
     assert [dims.is_moe(layer) for layer in range(4)] == [False, True, True, True]
 
 

@@ -1,6 +1,10 @@
 """The smoke run learns (issue 17): GRPO on the A3 path at small scale (cpu-tiny.yaml: Megatron actor and ref, the
-TensorCache, the directed weight sync into vLLM's CPU engine) from the warm start raises the held-out accuracy and
-the reward by margins measured over seeds; the same run with the training reward's sign flipped fails that check.
+TensorCache, the directed weight sync into vLLM's CPU engine) from the warm start raises the held-out accuracy by a
+margin measured over seeds; the same run with the training reward's sign flipped fails that check.
+
+The training reward is reported, not checked: its first and last steps score different prompts. On vLLM 0.11 the
+warm start itself solves 31% of seed 0's step 1-5 prompts greedily and 21% of its step 16-20 ones, and two seeds
+whose held-out accuracy rose by 0.049 and 0.107 ended with that reward difference at +0.005 and -0.030.
 
 The margins come from runs of `nox -s smoke -- --steps 20 --seed S` (docs/smoke.md, "What 20 steps show").
 """
@@ -15,14 +19,14 @@ import pytest
 from tests.recipes.smoke_run import ROOT, run_smoke
 from tools.report import summary
 
-# 20 steps of 16 x 8 samples and 5 validations take 22 min on a 2-core AVX2 machine (CI at stop 28: held-out
-# 0.064 -> 0.189, reward 0.078 -> 0.281). CI runs them, on the worker of the Ray modules (tests/parallel.py). The
+# 20 steps of 16 x 8 samples and 5 validations take 13 min on 2 cores (vLLM 0.11, seed 0: held-out 0.038 -> 0.076,
+# 0.076, 0.083, 0.102). CI runs them, on the worker of the Ray modules (tests/parallel.py). The
 # flipped run, which shows the check catches a run that unlearns, is 9 min more: `long`, run when the check changes
 # (`pytest -m long tests/recipes/test_learning.py`).
 pytestmark = pytest.mark.slow
 STEPS, FLIPPED_STEPS = 20, 5  # the flipped run has unlearnt by its first validation after step 0 (0.098 -> 0.011)
 K = 5  # steps whose reward means are compared: the first K and the last K (a run shorter than 2K: half its steps)
-VAL_GAIN, REWARD_GAIN = 0.025, 0.02  # half the weakest of 3 seeds (seed 1: +0.051, +0.042; seed 0: +0.080, +0.105)
+VAL_GAIN = 0.025  # about half the weakest seed's gain (vLLM 0.11: seed 0 +0.049, seed 1 +0.107; 0.9.1: +0.051, +0.080)
 
 # the strict reward on validation; on training rows 1 - score: every GRPO advantage flips its sign
 FLIPPED_REWARD = """
@@ -50,9 +54,9 @@ def gains(run_dir: Path) -> tuple[float, float, str]:
     return sum(late) / len(late) - vals[0][1], sum(rewards[-k:]) / k - sum(rewards[:k]) / k, seen
 
 
-def learns(val_gain: float, reward_gain: float) -> bool:
-    """The check: both gains at least their margins."""
-    return val_gain >= VAL_GAIN and reward_gain >= REWARD_GAIN
+def learns(val_gain: float) -> bool:
+    """The check: the held-out accuracy gain at least its margin."""
+    return val_gain >= VAL_GAIN
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +72,11 @@ def flipped(tmp_path_factory, smoke_work):
     return run_smoke("megatron", FLIPPED_STEPS, smoke_work, tmp / "logs", f"custom_reward_function.path={reward}")
 
 
-def test_grpo_raises_the_held_out_accuracy_and_the_reward(learned):
+def test_grpo_raises_the_held_out_accuracy(learned):
     proc = learned["proc"]
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    val_gain, reward_gain, seen = gains(learned["run_dir"])
-    assert learns(val_gain, reward_gain), seen
+    val_gain, _, seen = gains(learned["run_dir"])
+    assert learns(val_gain), seen
     assert (learned["run_dir"] / "curves.png").stat().st_size > 10_000
 
 
@@ -81,6 +85,6 @@ def test_the_check_fails_when_the_advantage_sign_is_flipped(flipped):
     proc = flipped["proc"]
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     val_gain, reward_gain, seen = gains(flipped["run_dir"])
-    assert not learns(val_gain, reward_gain), seen
+    assert not learns(val_gain), seen
     # what it is paid for rises (the logged reward is the flipped one) while the held-out accuracy falls
     assert reward_gain > 0 and val_gain < 0, seen

@@ -17,13 +17,11 @@ ABSENT = "<absent>"
 SIZE = "size: the tiny model, 4 ranks, a few seconds per step"
 DEVICE = "device: CPU ranks on one machine instead of 16 nodes of Atlas A3"
 LEARN = "validation: held-out accuracy before the first step and every 5 steps, the smoke run's learning curve"
-ENGINE = "rollout engine: vLLM 0.9.1's CPU engine (our fork's build) instead of vLLM-Ascend"
+ENGINE = "rollout engine: vLLM 0.11.0's CPU engine (our fork's build) instead of vLLM-Ascend"
 ASCEND_ONLY = ENGINE + "; a vLLM-Ascend setting (additional_config) the CPU engine does not read"
 LAYOUT = "layout: TP2 x PP2 x EP1 on 4 ranks (A3: TP4 x PP8 x EP8 on 256), uneven stages as A3's"
 SAVES = ("checkpoints: the A3 run saves 9.39 TB every 15 steps to a directory all 16 nodes mount (the yaml says why);"
          " cpu-tiny saves nothing by default (trainer.save_freq -1) and, told to, saves under its run dir")
-WEIGHTS = ("weights: verl loads the torch_dist conversion (Megatron reshards it at load); the A3 profiles check a"
-           " legacy conversion and keep verl's default here (not wired: verl 0.4.0 cannot load legacy rank files)")
 
 # key -> why cpu-tiny differs from a3-128-true-weight (in value, or by having the key alone, or by lacking it)
 ALLOWED = {
@@ -81,10 +79,6 @@ ALLOWED = {
     "trainer.nnodes": DEVICE + " (${launch.nodes})",
     "trainer.n_gpus_per_node": DEVICE + " (${launch.devices_per_node})",
     # weights
-    "actor_rollout_ref.actor.megatron.use_dist_checkpointing": WEIGHTS,
-    "actor_rollout_ref.actor.megatron.dist_checkpointing_path": WEIGHTS,
-    "actor_rollout_ref.ref.megatron.use_dist_checkpointing": WEIGHTS,
-    "actor_rollout_ref.ref.megatron.dist_checkpointing_path": WEIGHTS,
     # rollout engine
     "actor_rollout_ref.rollout.tensor_model_parallel_size": ENGINE + ": its platform turns an external launcher with"
                                                             " TP > 1 into its own mp executor, so TP1",
@@ -103,7 +97,7 @@ ALLOWED = {
     **{f"actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.{k}": ASCEND_ONLY for k in (
         "ascend_scheduler_config.enabled", "dp_sync_on_device", "refresh", "torchair_graph_config.enabled",
         "torchair_graph_config.enable_kv_nz", "torchair_graph_config.enable_multistream_mla",
-        "torchair_graph_config.enable_multistream_moe", "torchair_graph_config.enable_view_optimize",
+        "multistream_overlap_shared_expert", "torchair_graph_config.enable_view_optimize",
         "torchair_graph_config.graph_batch_sizes")},
 }
 

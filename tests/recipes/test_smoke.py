@@ -2,7 +2,7 @@
 them (verl's trainer from our fork, a local Ray cluster started and stopped by the launcher), 4 prompts x 4 samples:
 - megatron (cpu-tiny.yaml, the default): the A3 path at small scale. Megatron actor and shared ref at TP2 x PP2 with
   the experts over TP (moe_tp_extend_ep), loaded from the torch_dist conversion, the TensorCache flow, the on-policy
-  skip, and vLLM 0.9.1's CPU engine built from our fork (verl's SPMD vLLMRollout, two instances of DP2 x TP1 with
+  skip, and vLLM 0.11.0's CPU engine built from our fork (verl's SPMD vLLMRollout, two instances of DP2 x TP1 with
   expert parallel) fed by the directed TP/PP and expert weight sync through the manual rollout lifecycle, which frees
   and re-creates the KV cache every step. Its 3 steps, checkpointed after each, are the fault chain's straight run
   (conftest.megatron_run), made once for both.

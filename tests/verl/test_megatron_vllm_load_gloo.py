@@ -1,7 +1,7 @@
 """The directed weight sync into vLLM's own DeepSeek model (verl series: the worker's generator from
 reshard/weight_sync.py's weight_generator_for, the manual lifecycle's RolloutLifecycle over VLLMManualEngine in
 rollout/rollout_lifecycle.py; vllm series: the CPU engine). Four gloo processes hold a fake Megatron DeepSeek-V3 at
-TP2 x PP2 sharded from a make_tiny checkpoint, and each builds vLLM 0.9.1's V1 CPU engine as verl's SPMD rollout
+TP2 x PP2 sharded from a make_tiny checkpoint, and each builds vLLM 0.11's V1 CPU engine as verl's SPMD rollout
 does (external launcher): two instances of DP2 x TP1 with expert parallel, so each rank serves 4 of the 8 routed
 experts. The directed TP/PP and expert generators feed `DeepseekV2ForCausalLM.load_weights` on every rank in the
 calls the worker's rollout_mode / trainer_mode make (resume weights, update_weights, resume kv_cache, release),
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tests.gloo import free_ports, run_processes
 from tests.verl.conftest import require
 from tests.verl.test_megatron_hf_sync_gloo import LAYER_NAME_MAPPING, fake_model, megatron_shards
+from tests.vllm_cpu import vllm_cpu_env
 
 require("vllm.v1.worker.cpu_worker")
 mpu = require("megatron.core.parallel_state")
@@ -129,8 +130,7 @@ def _worker(rank, port, path, dp_port, results):
     from transformers import AutoConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="4", VLLM_PLUGINS="none", VLLM_USE_V1="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                      VLLM_CPU_KVCACHE_SPACE="1")
+                      WORLD_SIZE="4", **vllm_cpu_env(4))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4)
     try:

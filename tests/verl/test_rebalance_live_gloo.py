@@ -1,5 +1,5 @@
 """The rollout rebalance, live (verl series: rebalance/loop.py over the planner, the KV shipping and the vLLM v1
-adapter). Two gloo processes each build vLLM 0.9.1's V1 CPU engine on a tiny random Llama (real weights, so
+adapter). Two gloo processes each build vLLM 0.11.0's V1 CPU engine on a tiny random Llama (real weights, so
 that greedy decoding has clear winners) and run the same skewed rollout five times under greedy decoding:
 
 * off: the engines step in lockstep and nothing moves (the reference);

@@ -1,4 +1,4 @@
-"""The vLLM adapter of the rollout rebalance against vLLM 0.9.1's real v1 Scheduler, Request and
+"""The vLLM adapter of the rollout rebalance against vLLM 0.11.0's real v1 Scheduler, Request and
 KVCacheManager (built on CPU from a stub config), on 2 gloo processes.
 
 What is real: vLLM's scheduling (waiting/running queues, chunked prefill, the KV cache manager
@@ -29,10 +29,12 @@ from tests.verl.conftest import require, run_ranks
 
 migrate = require("verl.workers.rollout.rebalance.migrate")
 vllm_engine = require("verl.workers.rollout.rebalance.vllm_engine")
-stack.require("vllm.v1.core.sched.scheduler", "vLLM 0.9.1 (v1 engine) not installed")
+stack.require("vllm.v1.core.sched.scheduler", "vLLM 0.11.0 (v1 engine) not installed")
 
 from vllm.config import CacheConfig, SchedulerConfig  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
@@ -47,17 +49,27 @@ CHECK_EVERY = 3
 FREE = NUM_BLOCKS - 1  # vLLM's block pool keeps one null block
 
 
+def block_hasher():
+    """What EngineCore gives each request when prefix caching is on (vLLM 0.11): its full blocks' hashes."""
+    sha256 = get_hash_fn_by_name("sha256")
+    init_none_hash(sha256)
+    return get_request_block_hasher(BLOCK, sha256)
+
+
+HASHER = block_hasher()
+
+
 def make_scheduler() -> Scheduler:
     sched = SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=CHUNK, max_model_len=MAX_LEN,
                             enable_chunked_prefill=True)
     cache = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, swap_space=0, cache_dtype="auto",
                         enable_prefix_caching=True)
     cache.num_gpu_blocks = NUM_BLOCKS
+    parallel = SimpleNamespace(data_parallel_rank=0, decode_context_parallel_size=1, pipeline_parallel_size=1)
     config = SimpleNamespace(scheduler_config=sched, cache_config=cache, lora_config=None, kv_transfer_config=None,
-                             kv_events_config=None, parallel_config=SimpleNamespace(data_parallel_rank=0),
-                             model_config=SimpleNamespace(is_multimodal_model=False), speculative_config=None)
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16,
-                             use_mla=False)
+                             kv_events_config=None, parallel_config=parallel, speculative_config=None,
+                             model_config=SimpleNamespace(is_multimodal_model=False, is_encoder_decoder=False))
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
     kv_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                               kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}" for i in range(LAYERS)], spec)])
     structured = SimpleNamespace(grammar_bitmask=lambda *a: None, should_advance=lambda r: False)  # none in RL
@@ -84,10 +96,12 @@ class StubRunner:
         for new in out.scheduled_new_reqs:
             self.reqs[new.req_id] = (list(new.prompt_token_ids), list(new.block_ids[0]))
             start[new.req_id] = new.num_computed_tokens
-        for cached in out.scheduled_cached_reqs:
-            assert not cached.resumed_from_preemption, "the test sizes the cache so that nothing is preempted"
-            self.reqs[cached.req_id][1].extend(cached.new_block_ids[0])
-            start[cached.req_id] = cached.num_computed_tokens
+        cached = out.scheduled_cached_reqs  # vLLM 0.11: one list per field
+        assert not any(cached.resumed_from_preemption), "the test sizes the cache so that nothing is preempted"
+        for rid, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                             strict=True):
+            self.reqs[rid][1].extend(new_blocks[0] if new_blocks else [])
+            start[rid] = computed
         ids, sampled = [], []
         for rid, n in out.num_scheduled_tokens.items():
             tokens, blocks = self.reqs[rid]
@@ -103,8 +117,8 @@ class StubRunner:
             else:
                 sampled.append([])  # a prefill chunk: nothing sampled yet
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=sampled, spec_token_ids=None, logprobs=None,
-                                 prompt_logprobs_dict={})
+                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                 pooler_output=[])
 
     def sample(self, blocks: list[int], length: int) -> int:
         total = 0
@@ -142,7 +156,7 @@ class Engine:
 
     def __init__(self, rank: int, requests):
         self.scheduler, self.runner = make_scheduler(), StubRunner()
-        self.adapter = Recording(self.scheduler, self.runner.kv_caches)
+        self.adapter = Recording(self.scheduler, self.runner.kv_caches, block_hasher=HASHER)
         self.new_tokens: dict[str, list[int]] = {}
         self.finished: list[migrate.RequestState] = []
         for req, (p, s) in requests:
@@ -180,7 +194,7 @@ def requests_of(rank: int):
         for s in range(SAMPLES):
             max_tokens = 30 + 6 * p + s if rank == 0 else 2 + s
             params = SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=50, top_p=0.9)
-            out.append((Request(f"r{rank}p{p}s{s}", prompt, None, None, None, params, eos_token_id=None), (p, s)))
+            out.append((Request(f"r{rank}p{p}s{s}", prompt, params, None, None, block_hasher=HASHER), (p, s)))
     return out
 
 

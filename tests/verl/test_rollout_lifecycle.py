@@ -60,7 +60,7 @@ class StubExecutor:
         self.calls, self.kv_present = calls, False
 
     def get_kv_cache_specs(self):
-        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, use_mla=False)
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
         return [{"model.layers.0.self_attn": spec}]
 
     def determine_available_memory(self):
@@ -127,12 +127,12 @@ def vllm_config():
         cache_config=SimpleNamespace(num_gpu_blocks_override=None, block_size=16),
         model_config=SimpleNamespace(max_model_len=64, dtype=torch.float32),
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1),
     )
 
 
 def fake_llm(calls):
-    """An object with the attribute paths verl and VLLMManualEngine use on vLLM 0.9.1's LLM."""
+    """An object with the attribute paths verl and VLLMManualEngine use on vLLM 0.11.0's LLM."""
     core = core_mod.EngineCore.__new__(core_mod.EngineCore)  # __init__ would build a model
     core.model_executor, core.scheduler = StubExecutor(calls), StubScheduler()
     core._initialize_kv_caches(vllm_config())
@@ -259,7 +259,7 @@ def test_mla_post_processing_reaches_every_attention_layer():
     def attention():
         layer = Attention.__new__(Attention)  # Attention.__init__ needs a vLLM config and a backend
         torch.nn.Module.__init__(layer)
-        layer.impl = SimpleNamespace(process_weights_after_loading=done.append)
+        layer.impl, layer.backend = SimpleNamespace(process_weights_after_loading=done.append), None  # 0.11 reads it
         return layer
 
     model = torch.nn.ModuleDict({"a": attention(), "mlp": torch.nn.Linear(2, 2), "b": attention()})
@@ -267,7 +267,7 @@ def test_mla_post_processing_reaches_every_attention_layer():
 
 
 class TinyMLAModel(torch.nn.Module):
-    """kv_b_proj and an attention layer whose impl is vLLM 0.9.1's own MLACommonImpl (GPU path), so that
+    """kv_b_proj and an attention layer whose impl is vLLM's own MLACommonImpl (GPU path), so that
     W_UK_T / W_UV are derived by vLLM's code: views of kv_b_proj's weight."""
 
     LORA, HEADS, NOPE, V = 8, 2, 4, 4
@@ -289,7 +289,7 @@ class TinyMLAModel(torch.nn.Module):
         impl.qk_nope_head_dim, impl.v_head_dim = self.NOPE, self.V
         self.attn = Attention.__new__(Attention)  # Attention.__init__ needs a vLLM config
         torch.nn.Module.__init__(self.attn)
-        self.attn.impl = impl
+        self.attn.impl, self.attn.backend = impl, None  # vLLM 0.11 reads backend after the impl's post-processing
 
     def load_weights(self, weights):
         params = dict(self.named_parameters())

@@ -161,7 +161,21 @@ def _fork(name: str, t: dict) -> Fork:
     if release is not None and not isinstance(release, str):
         raise ManifestError(f"forks.{name}.release: {release!r} is not a string; quote the version, e.g."
                             " release = \"2.1.0\"")
-    pypi = pypi_source(t["pypi"], f"forks.{name}.pypi") if "pypi" in t else None
+    pypi = None
+    if "pypi" in t:
+        p = t["pypi"]
+        missing = [k for k in ("requirement", "file", "sha256") if k not in p]
+        if missing or "==" not in p.get("requirement", ""):
+            raise ManifestError(
+                f"forks.{name}.pypi: needs requirement = \"name==version\", file and sha256"
+                f" (missing: {', '.join(missing) or 'an exact == pin'})"
+            )
+        unknown = [k for k in p if k not in PYPI_KEYS]
+        if unknown:
+            raise ManifestError(f"forks.{name}.pypi: unknown key(s) {', '.join(unknown)}; the known ones are"
+                                f" {', '.join(PYPI_KEYS)} (a typo?)")
+        pypi = PyPISource(p["requirement"], p["file"], p["sha256"], p.get("note", ""),
+                          lacks_paths(f"forks.{name}.pypi.lacks", p.get("lacks", [])))
     return Fork(
         name=name,
         path=need("path"),
@@ -178,22 +192,6 @@ def _fork(name: str, t: dict) -> Fork:
         release_tags=release_tags,
         release=release,
     )
-
-
-def pypi_source(p: dict, where: str) -> PyPISource:
-    """A `pypi` table (forks.toml's, or a port's [pypi] for the new pin) as a PyPISource, checked; `where` names it."""
-    missing = [k for k in ("requirement", "file", "sha256") if k not in p]
-    if missing or "==" not in p.get("requirement", ""):
-        raise ManifestError(
-            f"{where}: needs requirement = \"name==version\", file and sha256"
-            f" (missing: {', '.join(missing) or 'an exact == pin'})"
-        )
-    unknown = [k for k in p if k not in PYPI_KEYS]
-    if unknown:
-        raise ManifestError(f"{where}: unknown key(s) {', '.join(unknown)}; the known ones are"
-                            f" {', '.join(PYPI_KEYS)} (a typo?)")
-    return PyPISource(p["requirement"], p["file"], p["sha256"], p.get("note", ""),
-                      lacks_paths(f"{where}.lacks", p.get("lacks", [])))
 
 
 def lacks_paths(where: str, value: object) -> tuple[str, ...]:

@@ -617,11 +617,7 @@ def _as_synced(fork: Fork, repo: Path, data: dict, port: Port, replayed: str) ->
     if not port.pypi:
         raise ops.ForkError(f"{port.dir / port_mod.PORT_FILE}: a port with `upstream` needs [pypi], the release's"
                             f" sdist; `rebase {fork.name} --onto NAME==VERSION` writes it")
-    try:
-        source = manifest_mod.pypi_source(port.pypi, f"{port.dir / port_mod.PORT_FILE} [pypi]")
-    except manifest_mod.ManifestError as exc:
-        raise ops.ForkError(str(exc)) from None
-    moved = replace(fork, ref=port.to_ref, commit=port.upstream, pypi=source)
+    moved = replace(fork, ref=port.to_ref, commit=port.upstream, pypi=_pypi_source(port.pypi))
     location = data.get("release_location") or str(sources.cache_dir() / moved.pypi.file)
     try:
         synced = sources.commit_distribution(repo, moved, sources.download(moved, location), parent=None,
@@ -637,6 +633,11 @@ def _as_synced(fork: Fork, repo: Path, data: dict, port: Port, replayed: str) ->
     git.set_config(repo, "recipe.source", "pypi")
     git.set_config(repo, "recipe.upstream-commit", moved.commit)
     return synced, _graft(repo, port.to, replayed, synced)
+
+
+def _pypi_source(table: dict) -> PyPISource:
+    return PyPISource(table["requirement"], table["file"], table["sha256"], table.get("note", ""),
+                      tuple(table.get("lacks", ())))
 
 
 def _graft(repo: Path, base: str, tip: str, onto: str) -> str:

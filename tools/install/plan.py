@@ -23,8 +23,10 @@ from tools.install.wheels import WheelBuild, default_cache
 # a CUDA torch for vLLM's build-system table); these are the tools those builds import.
 BUILD_TOOLS = ("setuptools>=77.0.3,<80", "setuptools-scm>=8", "wheel", "packaging>=24.2", "pybind11",
                "jinja2", "ninja", "cmake>=3.26")
-# Socket version string of the Atlas A3 (vLLM-Ascend's custom kernels are built for it); upstream's
-# Dockerfile.a3 uses the same value. The default in vLLM-Ascend 0.9.1 is the A2's ASCEND910B1.
+# SoC version of the Atlas A3, the target vLLM-Ascend's Ascend C kernels are compiled for (its CMake passes
+# SOC_VERSION to CANN's ascendc). vLLM-Ascend 0.11.0 defaults to the A2's ASCEND910B1 ("available for A2 and
+# A3") and its Dockerfile.a3 sets none; from 0.12.0rc1 its Dockerfile.a3 sets this value and its setup.py
+# reads the same name from npu-smi on an A3 (chip name + NPU name).
 A3_SOC_VERSION = "ascend910_9391"
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 MIN_FREE_GIB = {"npu": 30, "cuda": 30, "cpu": 10}
@@ -35,11 +37,11 @@ VLLM_CPU_FLAGS = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_DISABLE_AVX512": "true"
 VLLM_CPU_HEADERS = (system.NUMA,)
 VLLM_CPU_BUILD_TIME = "5 to 8 minutes on 2 cores"
 # vLLM's CUDA kernels for the cuda profile: the PyPI wheel of the release the fork is pinned at (built
-# for torch 2.7.0, the profile's torch). VLLM_USE_PRECOMPILED=1 alone downloads them from
+# for torch 2.8.0, the profile's torch). VLLM_USE_PRECOMPILED=1 alone downloads them from
 # wheels.vllm.ai by the fork's merge base with upstream main, a host clusters often cannot reach.
 VLLM_CUDA_KERNELS = PyPISource(
-    requirement="vllm==0.9.1", file="vllm-0.9.1-cp38-abi3-manylinux1_x86_64.whl",
-    sha256="28b99e8df39c7aaeda04f7e5353b18564a1a9d1c579691945523fc4777a1a8c8",
+    requirement="vllm==0.11.0", file="vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl",
+    sha256="3861c75ff2b12e24f6d179ff5c084d791b42ded8675d76c8706697c79f68cd62",
     note="only its compiled kernels are used; the Python code is our fork's")
 
 
@@ -114,7 +116,7 @@ def _install(ctx: Context, *args: str, build: bool = True) -> tuple[str, ...]:
 def _editable(ctx: Context, fork: Fork, env: dict[str, str] | None = None, note: str = "") -> Step:
     return Step(
         name=fork.name,
-        title=f"{fork.name} ({fork.distribution}), editable from {fork.path}",
+        title=f"{fork.name} ({fork.distribution}) at {fork.ref}, editable from {fork.path}",
         commands=(_install(ctx, "--no-deps", "-e", str(ctx.root / fork.path)),),
         env=env or {},
         inputs=fork_inputs(ctx, fork),
@@ -125,6 +127,14 @@ def _editable(ctx: Context, fork: Fork, env: dict[str, str] | None = None, note:
 def _version(fork: Fork) -> str:
     """The release version of a fork's pin, for builds that ask setuptools-scm (v0.9.1 -> 0.9.1)."""
     return fork.pypi.version if fork.pypi else fork.ref.lstrip("v")
+
+
+def cann_line(version: str) -> str | None:
+    """The release line of a CANN version, major.minor: 8.3 for 8.3.RC1, 8.3.RC2 and 8.3.0; None for no version.
+    torch_npu and vLLM-Ascend are built for a line (vLLM-Ascend 0.11.0: "CANN >= 8.3.rc1", tested on
+    8.3.RC2), so the preflight takes any release of the stack's line and refuses another line."""
+    match = re.match(r"([0-9]+)\.([0-9]+)(?:\.|$)", version.strip())
+    return f"{match[1]}.{match[2]}" if match else None
 
 
 def torch_requirements(ctx: Context) -> list[str]:
@@ -171,11 +181,13 @@ def build_plan(ctx: Context) -> list[Step]:
     stack = ctx.manifest.stack.get(ctx.device, {})
     checks = [f"Python {stack.get('python', '3.11')} ({ctx.python})"]
     if ctx.device == "npu":
-        checks.append(f"CANN {stack.get('cann')} with its set_env.sh sourced (ASCEND_TOOLKIT_HOME set)")
+        want = stack.get("cann", "")
+        checks.append(f"CANN {cann_line(want)} ({want}, or another {cann_line(want)} release) with its"
+                      " set_env.sh sourced (ASCEND_TOOLKIT_HOME set)")
     checks.append(f"{MIN_FREE_GIB[ctx.device]} GiB free for {ctx.venv}")
     if "vllm" in forks and ctx.device == "cpu":
         checks.append(", ".join(h.name for h in VLLM_CPU_HEADERS) + " for vLLM's CPU kernels, unless cached")
-    sources = [f"{f.name} (git, else {f.pypi.requirement})" if f.pypi else f"{f.name} (git only)"
+    sources = [f"{f.name} {f.ref} (git, else {f.pypi.requirement})" if f.pypi else f"{f.name} {f.ref} (git only)"
                for f in forks.values()]
     steps = [
         Step("preflight", "Python, device toolkit and disk", kind="preflight", note="checks " + "; ".join(checks)),

@@ -21,9 +21,14 @@ from pathlib import Path
 
 from tools.forks import ops, sources
 from tools.install import system, wheels
-from tools.install.plan import MIN_FREE_GIB, Context, Step, wheel_builds
+from tools.install.plan import MIN_FREE_GIB, Context, Step, cann_line, wheel_builds
 
-CANN_VERSION_FILES = ("version.cfg", "*/ascend_toolkit_install.info", "ascend_toolkit_install.info")
+# Where a toolkit states its version, in order: the install info (`version=8.3.RC2`, in <arch>-linux/ under
+# latest/), then version.cfg (`toolkit_running_version=[7.3.0.1.231:8.0.RC2]`: the build number before the
+# colon, the CANN version after it).
+CANN_VERSION_FILES = ("*/ascend_toolkit_install.info", "ascend_toolkit_install.info", "version.cfg")
+CANN_VERSION_LINE = re.compile(r"^\s*(?:version|toolkit_running_version|runtime_running_version)\s*=\s*\[?"
+                               r"(?:[0-9.]+:)?([0-9]+\.[0-9]+\.[A-Za-z0-9.]+)", re.MULTILINE)
 DEFAULT_CANN = Path("/usr/local/Ascend/ascend-toolkit/latest")
 
 
@@ -50,10 +55,10 @@ def cann_home(env: dict[str, str]) -> Path | None:
 
 
 def cann_version(home: Path) -> str | None:
-    """The toolkit version from its install info (`version=8.2.RC1` and similar lines)."""
+    """The toolkit's CANN version (8.3.RC2 and the like) from the first of CANN_VERSION_FILES that states it."""
     for pattern in CANN_VERSION_FILES:
         for path in sorted(home.glob(pattern)):
-            match = re.search(r"version\s*=\s*\[?([0-9]+\.[0-9]+\.[A-Za-z0-9.]+)", path.read_text(errors="replace"))
+            match = CANN_VERSION_LINE.search(path.read_text(errors="replace"))
             if match:
                 return match.group(1)
     return None
@@ -94,10 +99,12 @@ def _cann_check(env: dict[str, str], want: str) -> Check:
         return Check("CANN", False, f"toolkit at {home}, but its environment is not set",
                      f"`source {home.parent / 'set_env.sh'}` in this shell, then rerun")
     got = cann_version(home)
-    if got != want:
-        return Check("CANN", False, f"toolkit at {home} is {got or 'of unknown version'}, the stack needs {want}",
-                     f"install CANN {want} (or point ASCEND_TOOLKIT_HOME at it) and source its set_env.sh")
-    return Check("CANN", True, f"{home} ({got})")
+    line = cann_line(want)
+    if got is None or cann_line(got) != line:
+        return Check("CANN", False, f"toolkit at {home} is {got or 'of unknown version'}, the stack needs CANN {line}"
+                     f" ({want}, or another {line} release)",
+                     f"install CANN {want} (or point ASCEND_TOOLKIT_HOME at a CANN {line}) and source its set_env.sh")
+    return Check("CANN", True, f"{home} ({got}, of the {line} line the stack needs)")
 
 
 def _header_checks(ctx: Context, env: dict[str, str]) -> list[Check]:

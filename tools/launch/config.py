@@ -116,7 +116,9 @@ class Inputs:
 
 @dataclass
 class RecipeWeights:
-    load: bool = False  # true: start from recipe.weights.mcore_checkpoint; false: random init (Megatron's own)
+    load: bool = False  # true: start from the weights `loader` reads; false: random init (Megatron's own)
+    # Who puts the weights into Megatron when load is true (WEIGHT_LOADERS; docs/weights-and-data.md says which when)
+    loader: str = "hf-to-mcore"
     mcore_checkpoint: str | None = None  # the converted Megatron checkpoint (tools.weights), relative to the config
 
 
@@ -222,6 +224,7 @@ def load(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
         refuse_unknown_keys(cfg, base)
         refuse_bad_values(cfg, base)
         settings = as_object(recipe_settings(cfg))
+        weights_loader_settings(cfg, base, settings.weights)
         launch = launch_settings(cfg)
         accelerator_settings(cfg)
         engine = vllm_engine_settings(cfg)
@@ -278,12 +281,65 @@ def typed(path: Path, cfg: DictConfig, overrides: tuple[str, ...], launch: Launc
                               lifecycle=str(v("rollout.lifecycle", "sleep")),
                               calculate_log_probs=bool(v("rollout.calculate_log_probs", False)),
                               ignore_eos=bool(v("rollout.ignore_eos", False)))
-    inputs = Inputs(missing=tuple(missing_keys(cfg)), model_path=v("inputs.model_path"),
+    # mbridge reads model.path: a `???` left for the conversion is not a setting the run needs
+    unread = {KEY["inputs.mcore_checkpoint"]} if settings.weights.loader == "mbridge" else set()
+    inputs = Inputs(missing=tuple(k for k in missing_keys(cfg) if k not in unread), model_path=v("inputs.model_path"),
                     train_files=v("inputs.train_files"), val_files=v("inputs.val_files"),
-                    weights_load=bool(settings.weights.load), mcore_checkpoint=settings.weights.mcore_checkpoint,
+                    # the converted checkpoint is read (and checked) only when hf-to-mcore's output is the loader
+                    weights_load=bool(settings.weights.load) and settings.weights.loader == "hf-to-mcore",
+                    mcore_checkpoint=settings.weights.mcore_checkpoint,
                     dist=tuple((role, v(f"inputs.{role}_dist", False) is True, v(f"inputs.{role}_dist_path"))
                                for role in ("actor", "ref")))
     return Recipe(path, cfg, overrides, launch, settings, engine, layout.from_config(cfg, settings), rollout, inputs)
+
+
+# recipe.weights.loader: what puts the weights into verl's Megatron model at start-up, and the verl switches each sets.
+#   hf-to-mcore: `python -m tools.weights hf-to-mcore`'s output at recipe.weights.mcore_checkpoint, converted once;
+#                verl reads a torch_dist one with megatron.use_dist_checkpointing (use_mbridge stays false)
+#   mbridge:     mbridge reads the HF safetensors at actor_rollout_ref.model.path (megatron.use_mbridge=true,
+#                use_dist_checkpointing=false); nothing is converted (tests/weights/test_mbridge.py: same weights)
+WEIGHT_LOADERS = ("hf-to-mcore", "mbridge")
+WEIGHT_ROLES = ("actor", "ref")  # the Megatron models verl loads weights into
+
+
+def _megatron_key(role: str, name: str) -> str:
+    return f"actor_rollout_ref.{role}.megatron.{name}"
+
+
+def weights_loader_settings(cfg: DictConfig, base: DictConfig, weights: RecipeWeights) -> None:
+    """recipe.weights.loader against verl's switches, resolved as verl gets them (the ref's use_mbridge defaults to
+    the actor's): ConfigError naming the field and the fix. verl 0.6.1 (megatron_workers.py) reads
+    use_dist_checkpointing first: with use_mbridge also true, mbridge builds the model but the HF weights are never
+    read; with use_mbridge alone, the conversion is never read."""
+    key = "recipe.weights.loader"
+    if weights.loader not in WEIGHT_LOADERS:
+        raise ConfigError(f"{key} is {weights.loader!r}: use one of {', '.join(WEIGHT_LOADERS)}")
+    merged = OmegaConf.merge(base, cfg)
+    for role in WEIGHT_ROLES:
+        bridge, dist = _megatron_key(role, "use_mbridge"), _megatron_key(role, "use_dist_checkpointing")
+        on = {k: value(merged, k, False) is True for k in (bridge, dist)}
+        if on[bridge] and on[dist]:
+            raise ConfigError(f"{bridge} and {dist} are both true: verl then loads the converted checkpoint and mbridge"
+                              " only builds the model. Pick one weight path with"
+                              f" {key}: hf-to-mcore (set {bridge}=false) or mbridge (set {dist}=false)")
+        if not weights.load:
+            continue
+        if weights.loader == "mbridge" and not on[bridge]:
+            raise ConfigError(f"{key} is mbridge but {bridge} is false: verl would not read the HF weights through"
+                              f" mbridge; set {bridge}=true and {dist}=false")
+        if weights.loader == "hf-to-mcore" and on[bridge]:
+            raise ConfigError(f"{key} is hf-to-mcore but {bridge} is true: verl would read the HF weights at"
+                              " actor_rollout_ref.model.path through mbridge instead of the conversion; set"
+                              f" {bridge}=false, or {key}=mbridge")
+        if weights.loader == "hf-to-mcore" and not on[dist]:
+            raise ConfigError(f"{key} is hf-to-mcore but {dist} is false: verl 0.6.1 reads the conversion only"
+                              " through dist checkpointing, and would load actor_rollout_ref.model.path's HF"
+                              f" weights with its own converter instead; set {dist}=true and"
+                              f" {_megatron_key(role, 'dist_checkpointing_path')} to the torch_dist conversion")
+    if weights.load and weights.loader == "mbridge" and weights.mcore_checkpoint is not None:
+        raise ConfigError(f"{key} is mbridge, which reads actor_rollout_ref.model.path, but"
+                          f" recipe.weights.mcore_checkpoint is set ({weights.mcore_checkpoint}) and nothing would"
+                          " read it: set recipe.weights.mcore_checkpoint=null")
 
 
 def settings_block(cfg: DictConfig, key: str, fields) -> dict | None:
@@ -348,44 +404,51 @@ ENGINE_KWARGS_KEYS = ("swap_space", "enable_expert_parallel", "additional_config
 # vllm.LLM arguments verl 0.6.1's vLLMRollout passes from the rollout config itself: also in engine_kwargs, the
 # engine stops with "multiple values for keyword argument" (vllm_rollout_spmd.py)
 ROLLOUT_PASSES = {"max_num_seqs": MAX_NUM_SEQS}
-# What vLLM-Ascend 0.9.1 reads from additional_config (vllm_ascend/ascend_config.py: AscendConfig.__init__, and
-# "refresh" in init_ascend_config); dp_sync_on_device is our series' (third_party/patches/CHANGES.md (i)).
+# What vLLM-Ascend 0.11.0 reads from additional_config (vllm_ascend/ascend_config.py: AscendConfig.__init__, and
+# "refresh" in init_ascend_config; kv_cache_dtype in platform.py and the model runner); dp_sync_on_device is our
+# series' (third_party/patches/CHANGES.md (i)).
 # tests/vllm_ascend/test_recipe_additional_config.py keeps these lists equal to the fork's source.
-ASCEND_CONFIG_KEYS = ("torchair_graph_config", "ascend_scheduler_config", "expert_map_path", "dynamic_eplb",
-                      "num_iterations_eplb_update", "gate_eplb", "num_wait_worker_iterations",
-                      "enable_weight_nz_layout", "enable_prefill_optimizations", "enable_cpu_binding",
-                      "lmhead_tp_size", "dp_sync_on_device", "refresh")
-# ascend_scheduler_config: "enabled" (AscendSchedulerConfig in ascend_config.py), then any field of
-# vllm_ascend/core/schedule_config.py:AscendSchedulerConfig (vLLM's SchedulerConfig), which it overrides.
+ASCEND_CONFIG_KEYS = ("torchair_graph_config", "ascend_scheduler_config", "weight_prefetch_config",
+                      "expert_map_path", "eplb_policy_type", "expert_map_record_path", "init_redundancy_expert",
+                      "dynamic_eplb", "num_iterations_eplb_update", "gate_eplb", "num_wait_worker_iterations",
+                      "chunked_prefill_for_mla", "enable_shared_expert_dp", "multistream_overlap_shared_expert",
+                      "recompute_scheduler_enable", "lmhead_tensor_parallel_size", "oproj_tensor_parallel_size",
+                      "enable_cpu_binding", "kv_cache_dtype", "dp_sync_on_device", "refresh")
+# Shared experts on a second stream (torchair_graph_config.enable_multistream_moe until vLLM-Ascend 0.10)
+MULTISTREAM_SHARED = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.multistream_overlap_shared_expert"
+# ascend_scheduler_config: "enabled" (AscendSchedulerConfig in ascend_config.py), then the init fields of
+# vLLM-Ascend 0.11.0's vllm_ascend/core/schedule_config.py:AscendSchedulerConfig (vLLM 0.11.0's SchedulerConfig and
+# its own), which it overrides.
 ASCEND_SCHEDULER_KEYS = ("enabled", "runner_type", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                          "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
-                         "num_lookahead_slots", "cuda_graph_sizes", "delay_factor", "enable_chunked_prefill",
-                         "is_multimodal_model", "preemption_mode", "num_scheduler_steps",
-                         "multi_step_stream_outputs", "send_delta_data", "policy", "disable_chunked_mm_input",
-                         "scheduler_cls", "disable_hybrid_kv_cache_manager")
+                         "num_lookahead_slots", "cuda_graph_sizes", "enable_chunked_prefill", "is_multimodal_model",
+                         "send_delta_data", "policy", "disable_chunked_mm_input", "scheduler_cls",
+                         "disable_hybrid_kv_cache_manager", "async_scheduling", "enable_pd_transfer",
+                         "decode_max_num_seqs")
 
 
 @dataclass(frozen=True)
 class TorchairGraph:
-    """additional_config.torchair_graph_config: vLLM-Ascend 0.9.1's TorchairGraphConfig keys, same defaults."""
+    """additional_config.torchair_graph_config: vLLM-Ascend 0.11.0's TorchairGraphConfig keys, same defaults."""
 
     enabled: bool = False
+    mode: str = ""  # TorchAir's compile mode; vLLM-Ascend's default when empty
     use_cached_graph: bool = False
     use_cached_kv_cache_bytes: bool = False
     graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured as graphs; () = [1, max_num_seqs]
     graph_batch_sizes_init: bool = False
     enable_multistream_mla: bool = False
-    enable_multistream_moe: bool = False
     enable_view_optimize: bool = True
+    enable_frozen_parameter: bool = True
     enable_kv_nz: bool = False
     enable_super_kernel: bool = False
 
 
 # Keys TorchairGraphConfig accepts only together with another one (it raises otherwise, on the cluster).
 TORCHAIR_NEEDS = {
-    **{k: "enabled" for k in TorchairGraph.__dataclass_fields__ if k not in ("enabled", "enable_view_optimize")},
-    "use_cached_kv_cache_bytes": "use_cached_graph",  # each of these two needs enabled in turn
-    "enable_super_kernel": "enable_multistream_moe",
+    **{k: "enabled" for k in TorchairGraph.__dataclass_fields__
+       if k not in ("enabled", "enable_view_optimize", "enable_frozen_parameter")},
+    "use_cached_kv_cache_bytes": "use_cached_graph",  # which needs enabled in turn
 }
 
 
@@ -396,13 +459,18 @@ class AscendEngine:
     torchair: TorchairGraph = TorchairGraph()
     ascend_scheduler: bool = False
     dp_sync_on_device: bool = False
+    multistream_shared_experts: bool = False  # additional_config.multistream_overlap_shared_expert
 
 
 def torchair_settings(cfg: DictConfig) -> TorchairGraph:
     """torchair_graph_config, checked as vLLM-Ascend's TorchairGraphConfig checks it, plus the engine's limit:
     a graph batch size above max_num_seqs is silently dropped there (check_torchair_graph_batch_sizes)."""
     block = settings_block(cfg, TORCHAIR, TorchairGraph) or {}
-    flags = {k: _flag(f"{TORCHAIR}.{k}", v) for k, v in block.items() if k != "graph_batch_sizes"}
+    flags = {k: _flag(f"{TORCHAIR}.{k}", v) for k, v in block.items() if k not in ("graph_batch_sizes", "mode")}
+    mode = block.get("mode", "")
+    if not isinstance(mode, str):
+        raise ConfigError(f"{TORCHAIR}.mode must be a string (TorchAir's compile mode, e.g. reduce-overhead) or"
+                          f" left out, got {mode!r}")
     sizes = block.get("graph_batch_sizes", [])
     max_seqs = value(cfg, MAX_NUM_SEQS)
     if not isinstance(sizes, list) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
@@ -412,7 +480,7 @@ def torchair_settings(cfg: DictConfig) -> TorchairGraph:
     if isinstance(max_seqs, int) and any(b > max_seqs for b in sizes):
         raise ConfigError(f"{TORCHAIR}.graph_batch_sizes: {max(sizes)} exceeds {MAX_NUM_SEQS} = {max_seqs}, an"
                           " engine never decodes that many (vLLM-Ascend drops it); drop it or raise max_num_seqs")
-    t = TorchairGraph(**{**flags, "graph_batch_sizes": tuple(sizes)})
+    t = TorchairGraph(**{**flags, "mode": mode, "graph_batch_sizes": tuple(sizes)})
     if t.graph_batch_sizes_init and t.graph_batch_sizes:
         raise ConfigError(f"{TORCHAIR}.graph_batch_sizes_init derives the sizes and needs graph_batch_sizes"
                           " empty; set one of them")
@@ -440,7 +508,20 @@ def vllm_engine_settings(cfg: DictConfig) -> AscendEngine:
     _check_graph_mode(cfg, t)
     on = _ascend_scheduler(cfg, t)
     dp_sync = _flag(DP_SYNC_ON_DEVICE, value(cfg, DP_SYNC_ON_DEVICE, False))
-    return AscendEngine(t, on, dp_sync)
+    return AscendEngine(t, on, dp_sync, _multistream_shared(cfg, t))
+
+
+def _multistream_shared(cfg: DictConfig, t: TorchairGraph) -> bool:
+    """multistream_overlap_shared_expert, and the super kernel that needs it at tensor parallel 1."""
+    on = _flag(MULTISTREAM_SHARED, value(cfg, MULTISTREAM_SHARED, False))
+    if t.enable_super_kernel and not on:
+        raise ConfigError(f"{TORCHAIR}.enable_super_kernel needs {MULTISTREAM_SHARED}=true (vLLM-Ascend refuses it"
+                          " at engine start); set it, or turn the super kernel off")
+    tp = value(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    if t.enable_super_kernel and tp != 1:
+        raise ConfigError(f"{TORCHAIR}.enable_super_kernel needs actor_rollout_ref.rollout.tensor_model_parallel_size"
+                          f"=1, got {tp} (vLLM-Ascend refuses it at engine start); turn the super kernel off")
+    return on
 
 
 def _check_graph_mode(cfg: DictConfig, t: TorchairGraph) -> None:

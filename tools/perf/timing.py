@@ -110,7 +110,7 @@ class Options:
     reshard_experts: str = "gather"  # rollout.reshard.experts: gather | directed
     lifecycle: str = "sleep"  # rollout.lifecycle: sleep | manual
     torchair: bool = False  # additional_config.torchair_graph_config.enabled
-    multistream: bool = False  # enable_multistream_mla and enable_multistream_moe
+    multistream: bool = False  # enable_multistream_mla and multistream_overlap_shared_expert
     kv_nz: bool = False
     view_optimize: bool = True
     graph_batch_sizes: tuple[int, ...] = ()
@@ -144,9 +144,9 @@ class Run:
 
 
 def options(recipe: Recipe) -> Options:
-    t, r = recipe.engine.torchair, recipe.rollout
+    t, r, engine = recipe.engine.torchair, recipe.rollout, recipe.engine
     return Options(tensor_cache=r.tensor_cache, reshard_experts=r.reshard_experts, lifecycle=r.lifecycle,
-                   torchair=t.enabled, multistream=t.enable_multistream_mla and t.enable_multistream_moe,
+                   torchair=t.enabled, multistream=t.enable_multistream_mla and engine.multistream_shared_experts,
                    kv_nz=t.enable_kv_nz, view_optimize=t.enable_view_optimize, graph_batch_sizes=t.graph_batch_sizes,
                    dp_sync_on_device=recipe.engine.dp_sync_on_device, calculate_log_probs=r.calculate_log_probs)
 

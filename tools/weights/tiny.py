@@ -51,9 +51,11 @@ TINY_CONFIG = {
     "aux_loss_alpha": 0.001,
     "ep_size": 1,
     "hidden_act": "silu",
-    "max_position_embeddings": 4096,
+    # DeepSeek-V3's YaRN geometry: max_position_embeddings = factor x original_max_position_embeddings, and the
+    # floats typed as floats, else transformers >= 4.56 warns that the config is inconsistent on every load
+    "max_position_embeddings": 163840,
     "rope_theta": 10000,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                      "original_max_position_embeddings": 4096, "type": "yarn"},
     "rms_norm_eps": 1e-06,
     "attention_bias": False,
