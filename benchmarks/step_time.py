@@ -1,7 +1,8 @@
 """Step time of the A3 profiles as the launcher's model predicts it (tools/perf/timing.py): its constants, its
 fit on the reference's true-weight step, its errors on the two held-out published runs, our profiles next to
-their physical limit, and what each of our changes is worth to a3-128-true-weight (reverted alone, or for the
-rebalancer, which the rollout does not call yet, switched on at its limit).
+their physical limit, and what each of our changes is worth to a3-128-true-weight (reverted alone; the rollout
+rebalance is modelled at its limit, timing.Options.rebalance). Last, the rollout rebalance at 3K and 32K responses:
+the step's rollout off and on, at the profile's mean length and with every answer the longest.
 
   python benchmarks/step_time.py
 """
@@ -19,6 +20,10 @@ from tools.perf import reference_runs as refs  # noqa: E402
 from tools.perf import timing  # noqa: E402
 
 PROFILES = ("a3-128-true-weight", "a3-128-random-init")
+REBALANCE = "actor_rollout_ref.rollout.rebalance.enable"
+# 32K answers on a3-128-true-weight: the budget and model length follow, the mean is rollout_sim.py's 32K scenario
+LONG_ANSWERS = ("data.max_response_length=32768", "actor_rollout_ref.rollout.max_model_len=33792",
+                "actor_rollout_ref.rollout.max_num_batched_tokens=33792", "recipe.timing.response_tokens=9000")
 # (our change, the overrides that revert it on a3-128-true-weight, option changes that are not config keys)
 CHANGES = [
     ("TensorCache", ("actor_rollout_ref.tensor_cache.enable=false",), {}),
@@ -28,15 +33,15 @@ CHANGES = [
     ("on-policy old_log_prob skip", ("actor_rollout_ref.actor.recompute_old_log_prob=true",), {}),
     ("DP syncs on device", (refs.VLLM + "dp_sync_on_device=false",), {}),
     ("TorchAir graph decode", ("recipe.rollout.torchair_graph=false", refs.TORCHAIR + "enable_multistream_mla=false",
-                               refs.TORCHAIR + "enable_multistream_moe=false", refs.TORCHAIR + "enable_kv_nz=false",
-                               refs.TORCHAIR + "graph_batch_sizes=[]"), {}),
-    ("MLA + MoE multistream", (refs.TORCHAIR + "enable_multistream_mla=false",
-                               refs.TORCHAIR + "enable_multistream_moe=false"), {}),
+                               refs.VLLM + "multistream_overlap_shared_expert=false",
+                               refs.TORCHAIR + "enable_kv_nz=false", refs.TORCHAIR + "graph_batch_sizes=[]"), {}),
+    ("MLA + shared-expert multistream", (refs.TORCHAIR + "enable_multistream_mla=false",
+                                         refs.VLLM + "multistream_overlap_shared_expert=false"), {}),
     ("KV cache in NZ", (refs.TORCHAIR + "enable_kv_nz=false",), {}),
     ("packed micro-batches", (), {"packed": False}),
     ("8 recompute layers (the reference's table: 4)",
      ("actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=4",), {}),
-    ("rollout rebalance (its limit; not wired)", (), {"rebalance": True}),
+    ("rollout rebalance (at its limit)", (REBALANCE + "=false",), {}),
 ]
 
 
@@ -67,6 +72,14 @@ def main() -> None:
         rows.append((other.step_s - base.step_s, change, other.tps_card, moved))
     for delta, change, tps, moved in sorted(rows, key=lambda r: -abs(r[0])):
         print(f"  {change:<46} {delta:+8.1f} s  TPS/card {tps:6.1f}  ({moved})")
+    print("\nthe rollout rebalance on a3-128-true-weight, at its limit (rollout s and step s, off -> on):")
+    for label, overrides in (("3K answers, mean 1577", ()), ("32K answers, mean 9000", LONG_ANSWERS)):
+        off, on = (timing.predict(profile_run(PROFILES[0], (*overrides, f"{REBALANCE}={v}")), dims, fit)
+                   for v in ("false", "true"))
+        before, after = off.phases["rollout"].s, on.phases["rollout"].s
+        print(f"  {label:<24} rollout {before:7.1f} -> {after:7.1f} s ({after / before:.2f}x), "
+              f"step {off.step_s:7.1f} -> {on.step_s:7.1f} s")
+    print("  (the reference measured 6200 -> about 2300 s for a 32K rollout at TP2 DP128, lengths not published)")
     top = max(rows, key=lambda r: abs(r[0]))
     print(f"headline: a3-128-true-weight predicted {base.tps_card:.1f} TPS/card vs the reference's 123.16"
           f" ({base.tps_card / 123.16:.2f}x), {base.tps_card / base.limit_tps_card:.0%} of its limit"

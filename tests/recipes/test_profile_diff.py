@@ -94,6 +94,7 @@ ALLOWED = {
                                                " under torch 2.13",
     "actor_rollout_ref.rollout.max_num_batched_tokens": SIZE + ": >= prompt + response (128 + 48)",
     "actor_rollout_ref.rollout.max_num_seqs": SIZE + ": 8 sequences per engine and step",
+    "actor_rollout_ref.rollout.rebalance.check_every": SIZE + ": answers of at most 16 tokens (A3: 3072)",
     **{f"actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.{k}": ASCEND_ONLY for k in (
         "ascend_scheduler_config.enabled", "dp_sync_on_device", "refresh", "torchair_graph_config.enabled",
         "torchair_graph_config.enable_kv_nz", "torchair_graph_config.enable_multistream_mla",

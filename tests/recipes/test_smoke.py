@@ -4,8 +4,8 @@ them (verl's trainer from our fork, a local Ray cluster started and stopped by t
   the experts over TP (moe_tp_extend_ep), loaded from the torch_dist conversion, the TensorCache flow, the on-policy
   skip, and vLLM 0.11.0's CPU engine built from our fork (verl's SPMD vLLMRollout, two instances of DP2 x TP1 with
   expert parallel) fed by the directed TP/PP and expert weight sync through the manual rollout lifecycle, which frees
-  and re-creates the KV cache every step. Its 3 steps, checkpointed after each, are the fault chain's straight run
-  (conftest.megatron_run), made once for both.
+  and re-creates the KV cache every step, and stepped by the live rollout rebalance. Its 3 steps, checkpointed after
+  each, are the fault chain's straight run (conftest.megatron_run), made once for both.
 - fsdp (cpu-tiny-fsdp.yaml): FSDP on gloo and verl's HF rollout.
 """
 
@@ -155,3 +155,30 @@ def test_rollout_and_update_log_probs_agree_within_the_bound(run):
         assert 0 < r["logprob diff |seq|"] <= LOGPROB_DIFF_SEQ, r
         assert abs(r["logprob diff seq max"]) <= LOGPROB_DIFF_SEQ_MAX, r
     assert "logprob diff |seq|" in run["proc"].stdout, "the summary table shows the log-prob columns"
+
+
+def test_the_rollout_rebalance_reports_its_figures_where_the_profile_turns_it_on(run):
+    """cpu-tiny turns the live rebalance on, as a3-128-true-weight does; the fsdp profile's HF rollout has none. The
+    figures are the loop's own (verl series: rollout/rebalance/loop.py), per engine, in TensorBoard and the summary."""
+    from omegaconf import OmegaConf
+
+    rollout = OmegaConf.load(run["run_dir"] / "verl.yaml").actor_rollout_ref.rollout
+    on = OmegaConf.select(rollout, "rebalance.enable", default=False)
+    assert on == (rollout.name == "vllm"), "cpu-tiny turns it on, cpu-tiny-fsdp (the HF rollout) leaves it off"
+    scalars = {step: values for step, values in _scalars(run["run_dir"]).items() if "timing_s/step" in values}
+    assert scalars
+    for step, values in scalars.items():
+        if not on:
+            assert not any(k.startswith("rollout/rebalance/") for k in values), step
+            continue
+        # checks at engine steps 4, 8, 12 of answers up to 16 tokens; every move that was tried landed
+        assert values["rollout/rebalance/checks"] >= 1 and values["rollout/rebalance/failed"] == 0, step
+        # the makespan in engine steps is never below the bound, nor the busiest engine's unmoved load
+        lower = values["rollout/rebalance/lower_bound_steps"]
+        assert values["rollout/rebalance/steps"] >= lower >= 1, step
+        assert values["rollout/rebalance/largest_load_steps"] >= lower, step
+        assert values["rollout/rebalance/tokens"] > 0 and values["rollout/rebalance/makespan_s"] > 0, step
+    shown = "rollout rebalance per step" in run["proc"].stdout
+    assert shown == on, "the summary prints the rebalance table exactly when the profile turns it on"
+    if on:
+        assert "bound (steps)" in run["proc"].stdout and "unmoved (steps)" in run["proc"].stdout

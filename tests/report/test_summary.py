@@ -65,14 +65,22 @@ def test_the_log_prob_drift_sync_check_and_kv_cache_get_columns_where_logged(tmp
 def test_the_rebalance_figures_get_columns_where_the_rollout_rebalanced(tmp_path):
     rebalanced = {**VERL_STEP, "rollout/rebalance/moved": 3.0, "rollout/rebalance/failed": 0.0,
                   "rollout/rebalance/kv_bytes_sent": 98304.0, "rollout/rebalance/busy_s": 4.5,
-                  "rollout/rebalance/idle_s": 0.5, "rollout/rebalance/makespan_s": 5.0}
+                  "rollout/rebalance/idle_s": 0.5, "rollout/rebalance/makespan_s": 5.0,
+                  "rollout/rebalance/steps": 41.0, "rollout/rebalance/largest_load_steps": 64.0,
+                  "rollout/rebalance/lower_bound_steps": 37.0, "rollout/rebalance/engine_busy_s/0": 4.75,
+                  "rollout/rebalance/engine_busy_s/1": 4.25}
     on, off = summary.table([summary.Step(1, rebalanced), summary.Step(2, VERL_STEP)], samples=8, cards=2,
                             dies_per_card=1)
-    assert (on["rebalance moved"], on["rebalance kv bytes sent"], on["rebalance makespan (s)"]) == (3, 98304, 5)
-    assert "rebalance moved" not in off
+    assert (on["moved"], on["kv bytes sent"], on["makespan (s)"]) == (3, 98304, 5)
+    assert (on["makespan (steps)"], on["unmoved (steps)"], on["bound (steps)"]) == (41, 64, 37)
+    assert (on["busiest (s)"], on["idlest (s)"]) == (4.75, 4.25)
+    assert "moved" not in off
     text = summary.render([on, off], tmp_path, tmp_path / "tb")
     assert "rollout rebalance per step" in text and "98304.0" in text
-    assert "rebalance kv bytes sent" in text and "rebalance makespan (s)" in text  # headers whole, one line
+    headers = ("kv bytes sent", "makespan (s)", "unmoved (steps)", "bound (steps)",
+               "busiest (s)", "idlest (s)")
+    for header in headers:
+        assert header in text, header  # headers whole, one line
     assert "rollout rebalance" not in summary.render([off], tmp_path, tmp_path / "tb")  # off: no table
 
 

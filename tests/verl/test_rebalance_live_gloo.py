@@ -151,6 +151,11 @@ def test_moved_sequences_continue_with_the_tokens_and_log_probs_of_the_unmoved_r
     # the producer of each token is the rank that sampled it: unmoved samples only their own rank
     assert all(set(off[key]["producers"]) == {key[0]} for key in off)
     assert live[0]["on"]["figures"]["steps"] < live[0]["off"]["figures"]["steps"], "the makespan did not shrink"
+    # its yardsticks: rank 0's 6 x 24 tokens on 4 slots take 36 steps unmoved; no placement beats the longest, 24
+    for run in ("off", "on"):
+        f = live[0][run]["figures"]
+        assert (f["largest_load_steps"], f["lower_bound_steps"]) == (36, LONG), run
+        assert f["lower_bound_steps"] <= f["steps"], run
     for run in ("off", "on"):
         print(run, [{k: live[r][run]["figures"][k] for k in ("steps", "busy_steps", "tokens", "moved", "kv_bytes_sent")}
                     for r in range(WORLD)])

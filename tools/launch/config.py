@@ -99,6 +99,7 @@ class RolloutSettings:
     lifecycle: str = "sleep"
     calculate_log_probs: bool = False
     ignore_eos: bool = False
+    rebalance: bool = False  # the live rollout rebalance (verl series: rollout/rebalance/settings.py)
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,8 @@ def typed(path: Path, cfg: DictConfig, overrides: tuple[str, ...], launch: Launc
                               reshard_experts=str(v("rollout.reshard_experts", "gather")),
                               lifecycle=str(v("rollout.lifecycle", "sleep")),
                               calculate_log_probs=bool(v("rollout.calculate_log_probs", False)),
-                              ignore_eos=bool(v("rollout.ignore_eos", False)))
+                              ignore_eos=bool(v("rollout.ignore_eos", False)),
+                              rebalance=bool(v("rollout.rebalance", False)))
     # mbridge reads model.path: a `???` left for the conversion is not a setting the run needs
     unread = {KEY["inputs.mcore_checkpoint"]} if settings.weights.loader == "mbridge" else set()
     inputs = Inputs(missing=tuple(k for k in missing_keys(cfg) if k not in unread), model_path=v("inputs.model_path"),

@@ -76,6 +76,7 @@ KEY: dict[str, str] = {
     "rollout.lifecycle": "actor_rollout_ref.rollout.lifecycle",
     "rollout.calculate_log_probs": "actor_rollout_ref.rollout.calculate_log_probs",
     "rollout.ignore_eos": "actor_rollout_ref.rollout.ignore_eos",
+    "rollout.rebalance": "actor_rollout_ref.rollout.rebalance.enable",
     # what the run reads from disk (config.Recipe.inputs)
     "inputs.model_path": "actor_rollout_ref.model.path",
     "inputs.train_files": "data.train_files",

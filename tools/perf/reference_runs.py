@@ -59,9 +59,11 @@ TRUE_WEIGHT = Published(
     ("actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=4",
      "actor_rollout_ref.tensor_cache.enable=false",
      VLLM + "dp_sync_on_device=false",
-     "actor_rollout_ref.rollout.max_num_batched_tokens=1024"),
+     "actor_rollout_ref.rollout.max_num_batched_tokens=1024",
+     "actor_rollout_ref.rollout.rebalance.enable=false"),
     "the table is for 4 recompute layers (the note above it); footnote [1] enables §5.1 and §6.1-6.4 on the"
-    " r1_ascend code: no TensorCache (§3), DP syncs on gloo (§6.6); its ref (144.5 s) is TensorCache's 'before'"
+    " r1_ascend code: no TensorCache (§3), DP syncs on gloo (§6.6), no live rollout rebalance (its code stops"
+    " short of the rollout); its ref (144.5 s) is TensorCache's 'before'"
     " (156.8 s, §3.2.4), not its 'after' (105.1 s). Its reshard (11.5 s) matches the random-init run's directed"
     " one (11.18 s); old_log_prob is 0, so the on-policy skip (§5.2) is on. Prefill budget 1024 (§2.2).",
     timing.Workload(77.8, 1576.6), False,

@@ -116,13 +116,14 @@ class Options:
     graph_batch_sizes: tuple[int, ...] = ()
     dp_sync_on_device: bool = False
     calculate_log_probs: bool = False  # the rollout returns log-probs: one more column through the driver
-    # Not keys. Our verl series packs each micro-batch's sequences (model_forward.py pack_seqs=True); the
-    # reference's model_forward.py pads every row to the micro-batch's longest (pack_seqs=False). The rollout
-    # rebalancer is in our series but not called by the rollout yet: rebalance=True models its limit (free moves at
-    # every step, rollout_sim.pooled_ms). Our series sends TensorCache's advantages once per DP rank, which
-    # broadcasts them to its TP x PP replicas on the devices; the reference's TensorCache sends every replica a copy.
-    packed: bool = True
+    # rollout.rebalance.enable: modelled at its limit, free moves at every step (rollout_sim.pooled_ms);
+    # benchmarks/rollout_sim.py puts our planner within 1% of it, checking every 64 steps and paying the KV copies
     rebalance: bool = False
+    # Not keys. Our verl series packs each micro-batch's sequences (model_forward.py pack_seqs=True); the
+    # reference's model_forward.py pads every row to the micro-batch's longest (pack_seqs=False). Our series sends
+    # TensorCache's advantages once per DP rank, which broadcasts them to its TP x PP replicas on the devices; the
+    # reference's TensorCache sends every replica a copy.
+    packed: bool = True
     advantages_per_dp: bool = True
 
 
@@ -148,7 +149,8 @@ def options(recipe: Recipe) -> Options:
     return Options(tensor_cache=r.tensor_cache, reshard_experts=r.reshard_experts, lifecycle=r.lifecycle,
                    torchair=t.enabled, multistream=t.enable_multistream_mla and engine.multistream_shared_experts,
                    kv_nz=t.enable_kv_nz, view_optimize=t.enable_view_optimize, graph_batch_sizes=t.graph_batch_sizes,
-                   dp_sync_on_device=recipe.engine.dp_sync_on_device, calculate_log_probs=r.calculate_log_probs)
+                   dp_sync_on_device=recipe.engine.dp_sync_on_device, calculate_log_probs=r.calculate_log_probs,
+                   rebalance=r.rebalance)
 
 
 def run_from_config(recipe: Recipe) -> Run:

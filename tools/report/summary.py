@@ -73,13 +73,28 @@ OPTIONAL_COLUMNS = (("logprob diff |seq|", "rollout_corr/log_ppl_abs_diff"),
                     ("kv made (MiB)", "rollout/kv_cache_mib"),
                     ("kv freed rss (MiB)", "rollout/kv_cache_freed_rss_mib"))
 # The rollout rebalance's figures, where a profile turns it on, in a table of their own: per engine, averaged over
-# the engines that report (verl/workers/rollout/rebalance/loop.py:rebalance_metrics).
-REBALANCE_COLUMNS = (("rebalance moved", "rollout/rebalance/moved"),
-                     ("rebalance failed", "rollout/rebalance/failed"),
-                     ("rebalance kv bytes sent", "rollout/rebalance/kv_bytes_sent"),
-                     ("rebalance busy (s)", "rollout/rebalance/busy_s"),
-                     ("rebalance idle (s)", "rollout/rebalance/idle_s"),
-                     ("rebalance makespan (s)", "rollout/rebalance/makespan_s"))
+# the engines that report (verl/workers/rollout/rebalance/loop.py:rebalance_metrics). The makespan in engine steps
+# goes beside its yardsticks, the same on every engine: the busiest engine's own samples decoded there unmoved, and
+# the fewest steps any placement needs (the longest answer, or all tokens over all engines' slots).
+REBALANCE_COLUMNS = (("moved", "rollout/rebalance/moved"),
+                     ("failed", "rollout/rebalance/failed"),
+                     ("kv bytes sent", "rollout/rebalance/kv_bytes_sent"),
+                     ("busy (s)", "rollout/rebalance/busy_s"),
+                     ("idle (s)", "rollout/rebalance/idle_s"),
+                     ("makespan (s)", "rollout/rebalance/makespan_s"),
+                     ("makespan (steps)", "rollout/rebalance/steps"),
+                     ("unmoved (steps)", "rollout/rebalance/largest_load_steps"),
+                     ("bound (steps)", "rollout/rebalance/lower_bound_steps"))
+# every engine's busy seconds (rollout/rebalance/engine_busy_s/<engine>): the busiest and the idlest in the table
+ENGINE_BUSY = "rollout/rebalance/engine_busy_s/"
+ENGINE_BUSY_COLUMNS = ("busiest (s)", "idlest (s)")
+REBALANCE_TITLE = ("rollout rebalance per step (busy, idle: an engine's mean; unmoved: the busiest engine's own samples"
+                   " decoded there; bound: what no placement beats)")
+
+
+def engine_busy(values: dict[str, float]) -> dict[str, float]:
+    busy = [v for k, v in values.items() if k.startswith(ENGINE_BUSY)]
+    return dict(zip(ENGINE_BUSY_COLUMNS, (max(busy), min(busy)), strict=True)) if busy else {}
 
 
 def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> list[dict[str, float]]:
@@ -91,6 +106,7 @@ def table(steps: list[Step], samples: int, cards: int, dies_per_card: int) -> li
                "step time (s)": s.values.get("timing_s/step", math.nan)}
         row.update(throughput(s, samples, cards, dies_per_card))
         row.update({name: s.values[tag] for name, tag in OPTIONAL_COLUMNS + REBALANCE_COLUMNS if tag in s.values})
+        row.update(engine_busy(s.values))
         rows.append(row)
     return rows
 
@@ -105,8 +121,9 @@ def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
     # the A3 path's reshard and offload phases (0 elsewhere)
     columns += [c for c in ("reshard time (s)", "offload time (s)") if any(r.get(c, 0) for r in rows)]
     # what only some paths log (the log-prob drift, the sync check, the KV cache), in a second table of checks
-    checks, rebalance = (["step"] + [name for name, _ in named if any(name in r for r in rows)]
-                         for named in (OPTIONAL_COLUMNS, REBALANCE_COLUMNS))
+    rebalance_names = [name for name, _ in REBALANCE_COLUMNS] + list(ENGINE_BUSY_COLUMNS)
+    checks, rebalance = (["step"] + [name for name in names if any(name in r for r in rows)]
+                         for names in ([name for name, _ in OPTIONAL_COLUMNS], rebalance_names))
     console = Console(width=240, record=True, force_terminal=False)
     with console.capture() as cap:
         trained = sum(r["step"] > 0 for r in rows)  # step 0: the validation before training, when it runs
@@ -114,7 +131,7 @@ def render(rows: list[dict[str, float]], run_dir: Path, tb_dir: Path) -> str:
         if len(checks) > 1:
             console.print(_table("checks per step", checks, rows))
         if len(rebalance) > 1:
-            console.print(_table("rollout rebalance per step (per engine)", rebalance, rows))
+            console.print(_table(REBALANCE_TITLE, rebalance, rows))
     lines = [cap.get().rstrip()]
     rewards = [r["reward mean"] for r in rows if not math.isnan(r["reward mean"])]
     if len(rewards) >= 2:

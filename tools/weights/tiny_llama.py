@@ -1,7 +1,8 @@
 """A tiny dense Llama with random weights, for tests and benchmarks that need a real vLLM engine on CPU.
 
-Two layers, hidden 64, vocab 128, bf16, weights drawn at a scale (0.3) large enough that greedy decoding has
-clear winners (vLLM's dummy load format draws tiny weights, whose near-ties flip with batch-dependent rounding),
+Two layers and hidden 64 by default, vocab 128, bf16, weights drawn at a scale (0.3) large enough that greedy
+decoding has clear winners (vLLM's dummy load format draws tiny weights, whose near-ties flip with batch-dependent
+rounding),
 written as an HF checkpoint with the local character tokenizer (vLLM's LLMEngine loads one even when unused).
 
   python -c "from tools.weights.tiny_llama import make_tiny_llama; make_tiny_llama('/tmp/tiny_llama')"
@@ -19,10 +20,13 @@ from safetensors.torch import save_file
 from tools.weights.tokenizer import write_tokenizer
 
 
-def make_tiny_llama(path: str | Path, seed: int = 0) -> None:
-    """Write config.json, model.safetensors and the tokenizer into `path`."""
-    hidden, inter, heads, kv_heads, vocab, layers = 64, 128, 2, 1, 128, 2  # head size 32: vLLM CPU's smallest
-    head = hidden // heads
+def make_tiny_llama(path: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> None:
+    """Write config.json, model.safetensors and the tokenizer into `path` (a larger `hidden`, a multiple of 32,
+    or more `layers` give a slower decode step, e.g. for benchmarks)."""
+    head, vocab = 32, 128  # head size 32: vLLM CPU's smallest
+    if hidden < head or hidden % head:
+        raise ValueError(f"hidden must be a positive multiple of the head size {head}, got {hidden}")
+    inter, heads, kv_heads = 2 * hidden, hidden // head, max(1, hidden // head // 2)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
               "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
               "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 256,
