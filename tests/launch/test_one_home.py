@@ -55,6 +55,8 @@ MOVED = [
     (A3, [AM + "num_layer_list=[8,8,8,8,8,8,13]"], AM + "num_layer_list"),  # layer list length
     (A3, [AM + "optimizer_offload=true"], AM + "swap_optimizer"),  # one optimizer placement
     (A3, [R + "data_parallel_size=many"], R + "data_parallel_size"),  # a declared type
+    (A3, [R + "rebalance.check_every=0"], R + "rebalance.check_every"),  # the live rollout rebalance
+    (A3, [R + "name=hf", R + "engine_kwargs.vllm.enable_expert_parallel=false"], R + "rebalance.enable"),
 ]
 
 
@@ -128,7 +130,8 @@ def test_without_verl_the_dry_run_says_which_checks_did_not_run():
 @pytest.mark.parametrize("overrides", [
     [AM + "virtual_pipeline_model_parallel_size=2", R + "reshard.fallback=true"],  # directed falls back to gather
     [AM + "virtual_pipeline_model_parallel_size=2", R + "reshard.tp_pp=gather"],
-    [R + "name=hf", R + "engine_kwargs.vllm.enable_expert_parallel=false"],  # HF engines hold every expert
+    # HF engines hold every expert, and the live rebalance moves vLLM requests only
+    [R + "name=hf", R + "engine_kwargs.vllm.enable_expert_parallel=false", R + "rebalance.enable=false"],
 ])
 def test_reshard_settings_the_series_accepts(overrides):
     assert series_fields(A3, *overrides) == []
