@@ -2,8 +2,8 @@
 
 Two layers and hidden 64 by default, vocab 128, bf16, weights drawn at a scale (0.3) large enough that greedy
 decoding has clear winners (vLLM's dummy load format draws tiny weights, whose near-ties flip with batch-dependent
-rounding),
-written as an HF checkpoint with the local character tokenizer (vLLM's LLMEngine loads one even when unused).
+rounding), written as an HF checkpoint with the local character tokenizer (vLLM's LLMEngine loads one even when
+unused).
 
   python -c "from tools.weights.tiny_llama import make_tiny_llama; make_tiny_llama('/tmp/tiny_llama')"
 """
