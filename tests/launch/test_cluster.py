@@ -63,6 +63,37 @@ def test_wait_times_out_naming_what_is_missing(three_nodes):
         cluster.wait_for_nodes(c.address, 3, "NPU", 4, timeout_s=0.5, poll_s=0.5, say=lambda _: None)
 
 
+def test_the_wait_retries_until_the_cluster_takes_a_client(three_nodes, monkeypatch):
+    # A loaded machine answers on the head's GCS port before its raylet registers; ray.init then gives up.
+    c, _ = three_nodes
+    real_init, refusals = ray.init, [ConnectionError("no raylet yet")] * 2
+
+    def init_after_refusals(**kwargs):
+        if refusals:
+            raise refusals.pop()
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(ray, "init", init_after_refusals)
+    said: list[str] = []
+    msg = cluster.wait_for_nodes(c.address, 3, "NPU", 2, timeout_s=30, poll_s=0.1, say=said.append)
+    assert msg == "3 of 3 nodes joined"
+    assert [line for line in said if "takes no client yet (no raylet yet)" in line] and len(said) == 3
+
+
+def test_a_dead_head_ends_the_wait_at_once_with_its_log(tmp_path, monkeypatch):
+    head = cluster.RayProcess(["sh", "-c", "echo raylet: bind failed; exit 3"], tmp_path / "head.log").start()
+    head.proc.wait(10)
+
+    def refuse(**kwargs):
+        raise ConnectionError("no raylet")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    start = time.monotonic()
+    with pytest.raises(cluster.ClusterError, match=r"exited \(3\)(.|\n)*raylet: bind failed"):
+        cluster.wait_for_nodes("127.0.0.1:1", 1, None, 1, timeout_s=60, poll_s=0.1, say=lambda _: None, head=head)
+    assert time.monotonic() - start < 10
+
+
 def test_dummy_job_runs_through_the_jobs_api_and_its_log_is_collected(three_nodes, tmp_path):
     _, dashboard = three_nodes
     script = tmp_path / "trainer.py"

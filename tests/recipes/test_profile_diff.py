@@ -30,7 +30,7 @@ ALLOWED = {
     "launch.devices_per_node": DEVICE + " (TP2 x PP2)",
     "launch.accelerator": DEVICE,
     "launch.env_profile": DEVICE + " (env/cpu.yaml: gloo, no HCCL)",
-    "launch.ray.join_timeout_s": DEVICE + ": one local node joins at once or not at all",
+    "launch.ray.join_timeout_s": DEVICE + ": one local node (300 s: a loaded 2-core machine took over 60 s)",
     "recipe.model_dims": SIZE,
     "recipe.rollout.data_parallel_size": LAYOUT + ": 2 instances of DP2 x TP1 (A3: 2 of DP64 x TP2)",
     "recipe.rollout.expert_parallel_size": LAYOUT + ": EP over an instance's DP2 x TP1 (A3: DP64 x TP2)",

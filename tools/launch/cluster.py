@@ -112,15 +112,16 @@ def ray_auth_mode(environ=os.environ, home: Path | None = None) -> str:
 
 def wait_for_nodes(address: str, expected: int, resource: str | None, per_node: int, timeout_s: float,
                    poll_s: float = 1.0, expected_hosts: tuple[str, ...] = (),
-                   say: Callable[[str], None] = print) -> str:
-    """Connect to the cluster at `address` and wait until the nodes joined; ClusterError names what is missing."""
+                   say: Callable[[str], None] = print, head: RayProcess | None = None) -> str:
+    """Connect to the cluster at `address` and wait until the nodes joined; ClusterError names what is missing.
+    `head`, the head's `ray start` when this process started it: its exit ends the wait at once, with its log."""
     import ray
 
+    deadline = time.monotonic() + timeout_s
     connected_here = not ray.is_initialized()
     if connected_here:
-        ray.init(address=address, log_to_driver=False, namespace="tools.launch", logging_level="ERROR")
+        connect(address, deadline, poll_s, say, head)
     try:
-        deadline = time.monotonic() + timeout_s
         last = ""
         while True:
             ok, msg = join_status(alive_nodes(), expected, resource, per_node, expected_hosts)
@@ -130,12 +131,41 @@ def wait_for_nodes(address: str, expected: int, resource: str | None, per_node: 
             if msg != last:
                 say(f"waiting: {msg}")
                 last = msg
+            _check_alive(head)
             if time.monotonic() >= deadline:
                 raise ClusterError(f"timed out after {timeout_s:g} s: {msg}")
             time.sleep(poll_s)
     finally:
         if connected_here:
             ray.shutdown()
+
+
+def connect(address: str, deadline: float, poll_s: float = 1.0, say: Callable[[str], None] = print,
+            head: RayProcess | None = None) -> None:
+    """ray.init to `address`, retried until `deadline` (time.monotonic()): the head's GCS port answers before its
+    raylet has registered, and on a loaded machine the registration can take longer than ray.init waits."""
+    import ray
+
+    while True:
+        try:
+            ray.init(address=address, log_to_driver=False, namespace="tools.launch", logging_level="ERROR")
+            return
+        except ConnectionError as exc:
+            _check_alive(head)
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"could not connect to the Ray cluster at {address}: {exc.__cause__ or exc}."
+                                   f" Is the head's raylet running? Its log is in the head node's <host>.log"
+                                   f" and Ray's session logs (raylet.out, gcs_server.out)") from exc
+            say(f"waiting: Ray at {address} takes no client yet ({exc.__cause__ or exc})")
+            time.sleep(poll_s)
+
+
+def _check_alive(head: RayProcess | None, lines: int = 20) -> None:
+    if head is None or head.alive():
+        return
+    log = head.log_path.read_text(errors="replace").splitlines()[-lines:] if head.log_path.is_file() else []
+    raise ClusterError(f"the head's `ray start` exited ({head.proc.returncode}); the end of {head.log_path}:\n"
+                       + "\n".join(f"  {line}" for line in log))
 
 
 def port_open(host: str, port: int, timeout_s: float = 2.0) -> bool:

@@ -247,7 +247,7 @@ def _run_head(p: Prepared, say=print) -> int:
         host, port = pl.ray_address.rsplit(":", 1)
         cluster.wait_for_port(host, int(port), attempts=20, backoff_s=0.5, max_backoff_s=5, say=say)
         cluster.wait_for_nodes(pl.ray_address, lay.nodes, pl.resource, lay.devices_per_node, pl.join_timeout_s,
-                               say=say)
+                               say=say, head=head)
         _wait_for_dashboard(pl.dashboard_url)
         seen: list[faults.Fault] = []
         status = cluster.run_job(pl.dashboard_url, shlex.join(pl.trainer_command), pl.run_id, pl.env,
