@@ -75,7 +75,8 @@ OPTIONAL_COLUMNS = (("logprob diff |seq|", "rollout_corr/log_ppl_abs_diff"),
 # The rollout rebalance's figures, where a profile turns it on, in a table of their own: per engine, averaged over
 # the engines that report (verl/workers/rollout/rebalance/loop.py:rebalance_metrics). The makespan in engine steps
 # goes beside its yardsticks, the same on every engine: the busiest engine's own samples decoded there unmoved, and
-# the fewest steps any placement needs (the longest answer, or all tokens over all engines' slots).
+# the fewest steps any placement needs (the longest answer, or all tokens over all engines' slots). The yardsticks
+# count one decode step a token; the makespan also counts the steps of the prompts' (chunked) prefill.
 REBALANCE_COLUMNS = (("moved", "rollout/rebalance/moved"),
                      ("failed", "rollout/rebalance/failed"),
                      ("kv bytes sent", "rollout/rebalance/kv_bytes_sent"),
@@ -89,7 +90,8 @@ REBALANCE_COLUMNS = (("moved", "rollout/rebalance/moved"),
 ENGINE_BUSY = "rollout/rebalance/engine_busy_s/"
 ENGINE_BUSY_COLUMNS = ("busiest (s)", "idlest (s)")
 REBALANCE_TITLE = ("rollout rebalance per step (busy, idle: an engine's mean; unmoved: the busiest engine's own samples"
-                   " decoded there; bound: what no placement beats)")
+                   " decoded there; bound: what no placement beats; both count a step a token, the makespan also the"
+                   " prefill's steps)")
 
 
 def engine_busy(values: dict[str, float]) -> dict[str, float]:
