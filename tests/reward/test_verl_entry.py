@@ -41,7 +41,7 @@ def test_loads_by_file_path_from_another_directory(tmp_path):
         f"spec = importlib.util.spec_from_file_location('custom_module', {entry!r})\n"
         "module = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(module)\n"
-        "print(module.compute_score('synthetic-arith', r'\\boxed{153}', '153', {'index': 3}))\n"
+        "print(module.compute_score('synthetic-arith', r'\\boxed{153}', '153', {'index': 3}, timeout_s=60))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, env={"PATH": "/usr/bin:/bin"})
