@@ -72,7 +72,8 @@ class FakeStack:
                        venv=kw.pop("venv", self.root / ".venv"), installer=installer, arch="x86_64",
                        python=kw.pop("python", sys.executable), build_tools=(),
                        index_options=kw.pop("index_options", ("--no-index", "--find-links", str(self.links))),
-                       wheel_cache=kw.pop("wheel_cache", self.wheel_cache), jobs=2, **kw)
+                       wheel_cache=kw.pop("wheel_cache", self.wheel_cache), jobs=2,
+                       disk_gib=kw.pop("disk_gib", 0.01), **kw)  # a fake venv takes a few MB
 
     def order(self) -> list[str]:
         names = self.log.read_text().split() if self.log.exists() else []

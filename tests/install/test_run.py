@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+from dataclasses import replace
 
 import pytest
 
@@ -101,6 +103,29 @@ def test_preflight_wrong_python_names_the_fix(fake_stack, tmp_path):
     ctx = fake_stack.context(python="python2.7-does-not-exist")
     check = _checks(ctx, {})["python"]
     assert not check.ok and "--python" in check.fix
+
+
+def _free_gib(monkeypatch, gib: float) -> None:
+    usage = shutil.disk_usage
+    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda path: usage(path)._replace(free=gib * 2**30))
+
+
+def test_preflight_disk_refuses_a_venv_that_will_not_fit_and_names_the_fix(fake_stack, monkeypatch):
+    _free_gib(monkeypatch, 1.5)
+    check = _checks(fake_stack.context(disk_gib=10), {})["disk"]
+    assert not check.ok and "1.5 GiB free" in check.detail and "needs 10 GiB" in check.detail
+    assert "--venv" in check.fix
+
+
+def test_preflight_disk_counts_what_the_venv_holds(fake_stack, monkeypatch):
+    """A rerun overwrites the venv in place: its own size counts towards the need."""
+    ctx = fake_stack.context()
+    execute(ctx, build_plan(ctx), say=lambda *a: None)
+    held = sum(f.stat().st_size for f in ctx.venv.rglob("*") if f.is_file() and not f.is_symlink()) / 2**30
+    _free_gib(monkeypatch, 0.001)
+    assert _checks(replace(ctx, disk_gib=held), {})["disk"].ok
+    check = _checks(replace(ctx, disk_gib=held + 0.01), {})["disk"]
+    assert not check.ok and f"in {ctx.venv}" in check.detail
 
 
 def test_preflight_cann_missing_names_set_env(fake_stack, monkeypatch):

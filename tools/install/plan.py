@@ -29,6 +29,8 @@ BUILD_TOOLS = ("setuptools>=77.0.3,<80", "setuptools-scm>=8", "wheel", "packagin
 # reads the same name from npu-smi on an A3 (chip name + NPU name).
 A3_SOC_VERSION = "ascend910_9391"
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# What a venv of each profile takes at its peak, its builds' scratch included (a cpu venv holds 3.4 GiB);
+# what the venv already holds counts towards it, so a rerun with nothing to do needs no more
 MIN_FREE_GIB = {"npu": 30, "cuda": 30, "cpu": 10}
 # vLLM's CPU kernels, built from the patched fork (cpu profile). The AVX512 path fetches oneDNN from
 # GitHub at configure time; the AVX2 path fetches nothing, so it builds where only PyPI is reachable.
@@ -84,6 +86,11 @@ class Context:
     # Debian packages of headers the builds need and the compiler lacks, for the system step; the CLI
     # fills it when the install runs as root with apt-get (tools.install.system decides)
     apt_packages: tuple[str, ...] = ()
+    disk_gib: float | None = None  # the venv's size at its peak; None: MIN_FREE_GIB of the device
+
+    @property
+    def disk_need_gib(self) -> float:
+        return MIN_FREE_GIB[self.device] if self.disk_gib is None else self.disk_gib
 
     @property
     def venv_python(self) -> str:
@@ -184,7 +191,7 @@ def build_plan(ctx: Context) -> list[Step]:
         want = stack.get("cann", "")
         checks.append(f"CANN {cann_line(want)} ({want}, or another {cann_line(want)} release) with its"
                       " set_env.sh sourced (ASCEND_TOOLKIT_HOME set)")
-    checks.append(f"{MIN_FREE_GIB[ctx.device]} GiB free for {ctx.venv}")
+    checks.append(f"{ctx.disk_need_gib:g} GiB for {ctx.venv}, free or held by it")
     if "vllm" in forks and ctx.device == "cpu":
         checks.append(", ".join(h.name for h in VLLM_CPU_HEADERS) + " for vLLM's CPU kernels, unless cached")
     sources = [f"{f.name} {f.ref} (git, else {f.pypi.requirement})" if f.pypi else f"{f.name} {f.ref} (git only)"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tools.forks import ops, sources
 from tools.install import system, wheels
-from tools.install.plan import MIN_FREE_GIB, Context, Step, cann_line, wheel_builds
+from tools.install.plan import Context, Step, cann_line, wheel_builds
 
 # Where a toolkit states its version, in order: the install info (`version=8.3.RC2`, in <arch>-linux/ under
 # latest/), then version.cfg (`toolkit_running_version=[7.3.0.1.231:8.0.RC2]`: the build number before the
@@ -70,7 +70,7 @@ def preflight(ctx: Context, env: dict[str, str] | None = None) -> list[Check]:
     checks = [_python_check(ctx.python, stack.get("python", "3.11"))]
     if ctx.device == "npu":
         checks.append(_cann_check(env, stack.get("cann", "")))
-    checks.append(_disk_check(ctx.venv, MIN_FREE_GIB[ctx.device]))
+    checks.append(_disk_check(ctx.venv, ctx.disk_need_gib))
     checks += _header_checks(ctx, env)
     if ctx.wheelhouse and not ctx.wheelhouse.is_dir():
         checks.append(Check("wheelhouse", False, f"{ctx.wheelhouse} does not exist",
@@ -124,13 +124,22 @@ def _header_checks(ctx: Context, env: dict[str, str]) -> list[Check]:
     return checks
 
 
-def _disk_check(venv: Path, need_gib: int) -> Check:
+def _disk_check(venv: Path, need_gib: float) -> Check:
+    """Free space plus what the venv holds (a reinstall overwrites it in place) against the profile's need."""
     where = next(p for p in [venv, *venv.parents] if p.exists())
     free = shutil.disk_usage(where).free / 2**30
-    if free < need_gib:
-        return Check("disk", False, f"{free:.1f} GiB free at {where}, the profile needs {need_gib} GiB",
+    held = _size_gib(venv)
+    found = f"{free:.1f} GiB free at {where}" + (f" and {held:.1f} GiB in {venv}" if held else "")
+    if free + held < need_gib:
+        return Check("disk", False, f"{found}, the profile needs {need_gib:g} GiB",
                      "free disk space or pass --venv on a larger disk")
-    return Check("disk", True, f"{free:.0f} GiB free at {where}")
+    return Check("disk", True, found)
+
+
+def _size_gib(folder: Path) -> float:
+    if not folder.is_dir():
+        return 0.0
+    return sum(f.lstat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink()) / 2**30
 
 
 # ---------------------------------------------------------------- steps
