@@ -6,6 +6,7 @@ through the Ray Jobs API exactly as the real head submits the trainer. Everythin
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 import threading
@@ -80,8 +81,12 @@ def test_the_wait_retries_until_the_cluster_takes_a_client(three_nodes, monkeypa
     assert [line for line in said if "takes no client yet (no raylet yet)" in line] and len(said) == 3
 
 
-def test_a_dead_head_ends_the_wait_at_once_with_its_log(tmp_path, monkeypatch):
-    head = cluster.RayProcess(["sh", "-c", "echo raylet: bind failed; exit 3"], tmp_path / "head.log").start()
+@pytest.mark.parametrize("said, error", [
+    ("raylet: bind failed", cluster.ClusterError),
+    (f"Exception: {cluster.SLOW_START}. This could happen because ...", cluster.SlowStart),
+])
+def test_a_dead_head_ends_the_wait_at_once_with_its_log(tmp_path, monkeypatch, said, error):
+    head = cluster.RayProcess(["sh", "-c", f"echo '{said}'; exit 3"], tmp_path / "head.log").start()
     head.proc.wait(10)
 
     def refuse(**kwargs):
@@ -89,8 +94,12 @@ def test_a_dead_head_ends_the_wait_at_once_with_its_log(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ray, "init", refuse)
     start = time.monotonic()
-    with pytest.raises(cluster.ClusterError, match=r"exited \(3\)(.|\n)*raylet: bind failed"):
+    with pytest.raises(cluster.ClusterError, match=r"exited \(3\)(.|\n)*" + re.escape(said)) as raised:
         cluster.wait_for_nodes("127.0.0.1:1", 1, None, 1, timeout_s=60, poll_s=0.1, say=lambda _: None, head=head)
+    assert type(raised.value) is error, "only Ray's own start timeout is worth a second start"
+    with pytest.raises(error):  # before its port ever answered
+        cluster.wait_for_port("127.0.0.1", free_port(), attempts=60, sleep=lambda _: None, say=lambda _: None,
+                              head=head)
     assert time.monotonic() - start < 10
 
 
@@ -112,9 +121,15 @@ def test_dummy_job_runs_through_the_jobs_api_and_its_log_is_collected(three_node
     assert failing == "FAILED"
 
 
+# the first start of the head fails as Ray's does when its raylet registers too late; the next runs the command
+SLOW_FIRST_START = (f'if [ ! -e "$0" ]; then touch "$0"; echo "Exception: {cluster.SLOW_START}. This could happen'
+                    ' because ..."; exit 1; fi; exec "$@"')
+
+
 def test_head_runs_the_job_end_to_end_and_stops_only_its_own_ray(three_nodes, tmp_path):
     """run_head as the real run does it (ray start --head --block from the plan, wait, Jobs API, stop), with a
-    dummy entrypoint in place of verl's trainer. The module's cluster, which it did not start, stays up."""
+    dummy entrypoint in place of verl's trainer. The module's cluster, which it did not start, stays up. The head's
+    first `ray start` gives up on itself as too slow (cluster.SlowStart): the launcher starts it again."""
     c, _ = three_nodes
     port, dash, agent, metrics = (free_port() for _ in range(4))
     # a second Ray on this machine: its agent and metrics need ports of their own
@@ -127,9 +142,12 @@ def test_head_runs_the_job_end_to_end_and_stops_only_its_own_ray(three_nodes, tm
                            ray_bin=str(Path(sys.executable).with_name("ray")), device_gb=64.0)
     script = tmp_path / "trainer.py"
     script.write_text("import ray\nray.init()\nprint('trainer saw NPU', ray.cluster_resources().get('NPU'))\n")
-    prepared.plan = replace(prepared.plan, trainer_command=(sys.executable, str(script)))
+    head, *others = prepared.plan.nodes
+    slow = replace(head, ray_command=("sh", "-c", SLOW_FIRST_START, str(tmp_path / "started-once"), *head.ray_command))
+    prepared.plan = replace(prepared.plan, trainer_command=(sys.executable, str(script)), nodes=(slow, *others))
     said: list[str] = []
     assert run.run_head(prepared, say=said.append) == run.EXIT_OK, "\n".join(said)
+    assert sum("the head's Ray gave up on its own start" in line for line in said) == 1, "\n".join(said)
     log = (prepared.plan.run_dir / "trainer.log").read_text()
     assert "trainer saw NPU 4.0" in log  # cpu-tiny: launch.devices_per_node 4
     assert "job dummy-run: SUCCEEDED" in said and "1 of 1 nodes joined" in said

@@ -24,6 +24,14 @@ class ClusterError(Exception):
     """The cluster did not come up or the job could not run; the message says what was missing."""
 
 
+class SlowStart(ClusterError):
+    """`ray start` gave up on its own node: its raylet did not register with the GCS within Ray's 30 s (fixed in
+    ray/_private/node.py). A loaded machine causes it, and a second start usually succeeds."""
+
+
+SLOW_START = "The current node timed out during startup"  # what `ray start` prints when it gives up
+
+
 class RayProcess:
     """One `ray start --block` that this launcher started (head or worker)."""
 
@@ -131,7 +139,7 @@ def wait_for_nodes(address: str, expected: int, resource: str | None, per_node: 
             if msg != last:
                 say(f"waiting: {msg}")
                 last = msg
-            _check_alive(head)
+            check_alive(head)
             if time.monotonic() >= deadline:
                 raise ClusterError(f"timed out after {timeout_s:g} s: {msg}")
             time.sleep(poll_s)
@@ -151,7 +159,7 @@ def connect(address: str, deadline: float, poll_s: float = 1.0, say: Callable[[s
             ray.init(address=address, log_to_driver=False, namespace="tools.launch", logging_level="ERROR")
             return
         except ConnectionError as exc:
-            _check_alive(head)
+            check_alive(head)
             if time.monotonic() >= deadline:
                 raise ClusterError(f"could not connect to the Ray cluster at {address}: {exc.__cause__ or exc}."
                                    f" Is the head's raylet running? Its log is in the head node's <host>.log"
@@ -160,12 +168,14 @@ def connect(address: str, deadline: float, poll_s: float = 1.0, say: Callable[[s
             time.sleep(poll_s)
 
 
-def _check_alive(head: RayProcess | None, lines: int = 20) -> None:
+def check_alive(head: RayProcess | None, lines: int = 20) -> None:
+    """Raise, with the end of its log, if the head's `ray start` has exited: SlowStart if Ray gave up on it."""
     if head is None or head.alive():
         return
     log = head.log_path.read_text(errors="replace").splitlines()[-lines:] if head.log_path.is_file() else []
-    raise ClusterError(f"the head's `ray start` exited ({head.proc.returncode}); the end of {head.log_path}:\n"
-                       + "\n".join(f"  {line}" for line in log))
+    error = SlowStart if any(SLOW_START in line for line in log) else ClusterError
+    raise error(f"the head's `ray start` exited ({head.proc.returncode}); the end of {head.log_path}:\n"
+                + "\n".join(f"  {line}" for line in log))
 
 
 def port_open(host: str, port: int, timeout_s: float = 2.0) -> bool:
@@ -177,12 +187,15 @@ def port_open(host: str, port: int, timeout_s: float = 2.0) -> bool:
 
 
 def wait_for_port(host: str, port: int, attempts: int = 30, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
-                  sleep: Callable[[float], None] = time.sleep, say: Callable[[str], None] = print) -> int:
-    """Retry with exponential backoff until host:port answers; the number of attempts it took."""
+                  sleep: Callable[[float], None] = time.sleep, say: Callable[[str], None] = print,
+                  head: RayProcess | None = None) -> int:
+    """Retry with exponential backoff until host:port answers; the number of attempts it took. `head`, the head's
+    `ray start` when this process started it: its exit ends the wait at once, with its log."""
     delay = backoff_s
     for attempt in range(1, attempts + 1):
         if port_open(host, port):
             return attempt
+        check_alive(head)
         if attempt < attempts:
             say(f"head {host}:{port} not answering (attempt {attempt}/{attempts}); retrying in {delay:g} s")
             sleep(delay)

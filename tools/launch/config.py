@@ -75,7 +75,7 @@ class Recipe:
 class RaySettings:
     port: int = MISSING  # GCS port on the head
     dashboard_port: int = MISSING  # the Jobs API the trainer is submitted through
-    join_timeout_s: float = 600.0  # how long the head waits for every node and its devices
+    join_timeout_s: float = 600.0  # how long the head waits for every node and its devices, its restarts included
     extra_start_args: list[str] = field(default_factory=list)  # added to every `ray start` (e.g. fixed ports)
 
 

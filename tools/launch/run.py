@@ -11,6 +11,7 @@ import shlex
 import shutil
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from tools.report import curves, summary
 EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
 TENSORBOARD = "tensorboard"  # <run dir>/tensorboard
 CHECKPOINTS = "checkpoints"  # <run dir>/checkpoints, where a run saves without recipe.checkpoints.dir
+HEAD_STARTS = 3  # starts of the head's Ray that Ray itself gave up on as too slow (cluster.SlowStart)
 # verl's trainer keys that the launcher writes into verl.yaml (save_run_files), and what to use instead
 LAUNCHER_KEYS = {
     "trainer.default_local_dir": "set recipe.checkpoints.dir (runs save to <it>/<run id>, or <run dir>/checkpoints)",
@@ -240,14 +242,9 @@ def run_head(p: Prepared, say=print) -> int:
 
 def _run_head(p: Prepared, say=print) -> int:
     pl = p.plan
-    lay = pl.layout
-    host_log = pl.run_dir / f"{socket.gethostname()}.log"
-    head = cluster.RayProcess(pl.nodes[0].ray_command, host_log, pl.env).start()
+    head = None
     try:
-        host, port = pl.ray_address.rsplit(":", 1)
-        cluster.wait_for_port(host, int(port), attempts=20, backoff_s=0.5, max_backoff_s=5, say=say)
-        cluster.wait_for_nodes(pl.ray_address, lay.nodes, pl.resource, lay.devices_per_node, pl.join_timeout_s,
-                               say=say, head=head)
+        head = start_head(pl, say)
         _wait_for_dashboard(pl.dashboard_url)
         seen: list[faults.Fault] = []
         status = cluster.run_job(pl.dashboard_url, shlex.join(pl.trainer_command), pl.run_id, pl.env,
@@ -261,9 +258,46 @@ def _run_head(p: Prepared, say=print) -> int:
             say(failure(p, seen[0] if seen else None))
         return EXIT_OK if status == "SUCCEEDED" else EXIT_ERROR
     finally:
-        head.stop()
+        if head is not None:
+            head.stop()
         stop_leftovers(pl, say)
         summarize(p, say)
+
+
+def start_head(pl: plan.Plan, say=print) -> cluster.RayProcess:
+    """Start the head's Ray and wait, within launch.ray.join_timeout_s, for every node to join. A start that Ray
+    gave up on as too slow is made again on the same port, up to HEAD_STARTS; any other failure ends the run."""
+    deadline = time.monotonic() + pl.join_timeout_s
+    host, port = pl.ray_address.rsplit(":", 1)
+    attempt = 1
+    while True:
+        head = cluster.RayProcess(pl.nodes[0].ray_command, pl.run_dir / f"{socket.gethostname()}.log", pl.env).start()
+        try:
+            cluster.wait_for_port(host, int(port), attempts=20, backoff_s=0.5, max_backoff_s=5, say=say, head=head)
+            cluster.wait_for_nodes(pl.ray_address, pl.layout.nodes, pl.resource, pl.layout.devices_per_node,
+                                   max(deadline - time.monotonic(), 1.0), say=say, head=head)
+            return head
+        except cluster.SlowStart:
+            head.stop()
+            if attempt == HEAD_STARTS or time.monotonic() >= deadline:
+                raise
+            say(f"the head's Ray gave up on its own start ({cluster.SLOW_START}; start {attempt} of {HEAD_STARTS},"
+                f" its log: {head.log_path}); starting it again")
+            _wait_port_closed(host, int(port))
+            attempt += 1
+        except BaseException:
+            head.stop()
+            raise
+
+
+def _wait_port_closed(host: str, port: int, timeout_s: float = 30.0) -> None:
+    """The failed head's GCS dies with its `ray start` (Ray's fate sharing); a new start must find the port free."""
+    deadline = time.monotonic() + timeout_s
+    while cluster.port_open(host, port):
+        if time.monotonic() >= deadline:
+            raise cluster.ClusterError(f"port {port} still answers {timeout_s:g} s after the head's Ray exited:"
+                                       " stop the Ray that holds it (`ray stop`), then rerun")
+        time.sleep(0.5)
 
 
 def _scan(pl: plan.Plan, say) -> faults.Fault | None:
