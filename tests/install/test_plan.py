@@ -119,6 +119,15 @@ def test_the_wheel_key_follows_what_decides_the_wheel_and_nothing_else(tmp_path)
     assert replace(flags, key_parts=(vllm.commit, "another series digest", *flags.key_parts[2:])).key != key
 
 
+def test_jobs_sets_max_jobs_of_the_kernel_builds_and_refuses_zero(capsys):
+    ctx = cli.context(cli.parser().parse_args(["--root", str(ROOT), "--device", "cpu", "--jobs", "1"]))
+    vllm = next(s for s in build_plan(ctx) if s.name == "vllm")
+    assert vllm.env["MAX_JOBS"] == "1"
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["--jobs", "0"])
+    assert "argument --jobs: '0': a whole number of jobs, 1 or more" in capsys.readouterr().err
+
+
 def test_npu_keeps_vllm_editable_without_kernels():
     vllm = _steps("npu")["vllm"]
     assert vllm.kind == "shell" and "-e" in vllm.commands[0]

@@ -111,6 +111,12 @@ def write_lock(ctx: plan_mod.Context) -> Path:
     return path
 
 
+def _jobs(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of jobs, 1 or more")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.install", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,6 +136,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--wheel-cache", type=Path,
                    help="where built fork wheels are kept across venvs and clones (default: $RL_RECIPE_WHEEL_CACHE,"
                         " else ~/.cache/rl-recipe/wheels)")
+    p.add_argument("--jobs", type=_jobs, default=os.cpu_count() or 1,
+                   help="parallel compile jobs of the kernel builds, their MAX_JOBS (default: every core, here"
+                        " %(default)s); fewer leaves cores and memory to other work. The wheel is the same")
     p.add_argument("--force", action="store_true", help="run every step even when its stamp is current")
     p.add_argument("--dry-run", action="store_true", help="print the plan with commands and environment")
     p.add_argument("--root", type=Path, help="repository root (default: found above the current directory)")
@@ -158,6 +167,7 @@ def context(args) -> plan_mod.Context:
         index_options=pip_index_options() if installer == "uv" and not args.dry_run else (),
         cann_present=cann_home(dict(os.environ)) is not None,
         wheel_cache=args.wheel_cache.expanduser().resolve() if args.wheel_cache else wheels.default_cache(),
+        jobs=args.jobs,
     )
 
 
