@@ -121,6 +121,34 @@ def test_dummy_job_runs_through_the_jobs_api_and_its_log_is_collected(three_node
     assert failing == "FAILED"
 
 
+def _prepared(tmp_path: Path, port: int, *overrides: str) -> run.Prepared:
+    """cpu-tiny's run on this machine, its head on `port`."""
+    dash, agent, metrics = (free_port() for _ in range(3))
+    # a second Ray on this machine: its agent and metrics need ports of their own
+    extra = f"[--dashboard-agent-listen-port={agent},--metrics-export-port={metrics}]"
+    recipe = config.load(CONFIGS / "cpu-tiny.yaml", ["launch.accelerator=a3", f"launch.ray.port={port}",
+                                                    f"launch.ray.dashboard_port={dash}", "launch.ray.join_timeout_s=60",
+                                                    f"launch.ray.extra_start_args={extra}", *overrides])
+    facts = env.NodeFacts("127.0.0.1", "lo", "127.0.0.1", True, None)
+    return run.prepare(recipe, facts, "dummy-run", tmp_path / "logs",
+                       ray_bin=str(Path(sys.executable).with_name("ray")), device_gb=64.0)
+
+
+@pytest.mark.parametrize("nodes, starts", [(1, run.HEAD_STARTS), (2, 1)])
+def test_a_head_that_ray_gives_up_on_is_started_again_only_on_one_node(tmp_path, nodes, starts):
+    """On more nodes the workers joined the failed head's GCS and leave with it: one start, and the error at once."""
+    prepared = _prepared(tmp_path, free_port())
+    started = tmp_path / "starts"
+    always_slow = f'echo >> {started}; echo "Exception: {cluster.SLOW_START}."; exit 1'
+    head = replace(prepared.plan.nodes[0], ray_command=("sh", "-c", always_slow))
+    pl = replace(prepared.plan, nodes=(head,), layout=replace(prepared.plan.layout, nodes=nodes))
+    said: list[str] = []
+    with pytest.raises(cluster.SlowStart):
+        run.start_head(pl, say=said.append)
+    assert len(started.read_text().splitlines()) == starts
+    assert sum("gave up on its own start" in line for line in said) == starts - 1
+
+
 # the first start of the head fails as Ray's does when its raylet registers too late; the next runs the command
 SLOW_FIRST_START = (f'if [ ! -e "$0" ]; then touch "$0"; echo "Exception: {cluster.SLOW_START}. This could happen'
                     ' because ..."; exit 1; fi; exec "$@"')
@@ -131,15 +159,8 @@ def test_head_runs_the_job_end_to_end_and_stops_only_its_own_ray(three_nodes, tm
     dummy entrypoint in place of verl's trainer. The module's cluster, which it did not start, stays up. The head's
     first `ray start` gives up on itself as too slow (cluster.SlowStart): the launcher starts it again."""
     c, _ = three_nodes
-    port, dash, agent, metrics = (free_port() for _ in range(4))
-    # a second Ray on this machine: its agent and metrics need ports of their own
-    extra = f"[--dashboard-agent-listen-port={agent},--metrics-export-port={metrics}]"
-    recipe = config.load(CONFIGS / "cpu-tiny.yaml", ["launch.accelerator=a3", f"launch.ray.port={port}",
-                                                    f"launch.ray.dashboard_port={dash}", "launch.ray.join_timeout_s=60",
-                                                    f"launch.ray.extra_start_args={extra}"])
-    facts = env.NodeFacts("127.0.0.1", "lo", "127.0.0.1", True, None)
-    prepared = run.prepare(recipe, facts, "dummy-run", tmp_path / "logs",
-                           ray_bin=str(Path(sys.executable).with_name("ray")), device_gb=64.0)
+    port = free_port()
+    prepared = _prepared(tmp_path, port)
     script = tmp_path / "trainer.py"
     script.write_text("import ray\nray.init()\nprint('trainer saw NPU', ray.cluster_resources().get('NPU'))\n")
     head, *others = prepared.plan.nodes

@@ -36,7 +36,9 @@ from tools.report import curves, summary
 EXIT_OK, EXIT_CHECK, EXIT_ERROR = 0, 1, 2
 TENSORBOARD = "tensorboard"  # <run dir>/tensorboard
 CHECKPOINTS = "checkpoints"  # <run dir>/checkpoints, where a run saves without recipe.checkpoints.dir
-HEAD_STARTS = 3  # starts of the head's Ray that Ray itself gave up on as too slow (cluster.SlowStart)
+# starts of a one-node run's head that Ray itself gave up on as too slow (cluster.SlowStart). A run of more nodes
+# starts it once: its workers joined the failed head's GCS and leave with it, so a second head would wait for them.
+HEAD_STARTS = 3
 # verl's trainer keys that the launcher writes into verl.yaml (save_run_files), and what to use instead
 LAUNCHER_KEYS = {
     "trainer.default_local_dir": "set recipe.checkpoints.dir (runs save to <it>/<run id>, or <run dir>/checkpoints)",
@@ -265,9 +267,11 @@ def _run_head(p: Prepared, say=print) -> int:
 
 
 def start_head(pl: plan.Plan, say=print) -> cluster.RayProcess:
-    """Start the head's Ray and wait, within launch.ray.join_timeout_s, for every node to join. A start that Ray
-    gave up on as too slow is made again on the same port, up to HEAD_STARTS; any other failure ends the run."""
+    """Start the head's Ray and wait, within launch.ray.join_timeout_s, for every node to join. On one node, a
+    start that Ray gave up on as too slow is made again on the same port, up to HEAD_STARTS; any other failure
+    ends the run."""
     deadline = time.monotonic() + pl.join_timeout_s
+    starts = HEAD_STARTS if pl.layout.nodes == 1 else 1
     host, port = pl.ray_address.rsplit(":", 1)
     attempt = 1
     while True:
@@ -279,9 +283,9 @@ def start_head(pl: plan.Plan, say=print) -> cluster.RayProcess:
             return head
         except cluster.SlowStart:
             head.stop()
-            if attempt == HEAD_STARTS or time.monotonic() >= deadline:
+            if attempt == starts or time.monotonic() >= deadline:
                 raise
-            say(f"the head's Ray gave up on its own start ({cluster.SLOW_START}; start {attempt} of {HEAD_STARTS},"
+            say(f"the head's Ray gave up on its own start ({cluster.SLOW_START}; start {attempt} of {starts},"
                 f" its log: {head.log_path}); starting it again")
             _wait_port_closed(host, int(port))
             attempt += 1
