@@ -103,6 +103,22 @@ def test_a_dead_head_ends_the_wait_at_once_with_its_log(tmp_path, monkeypatch, s
     assert time.monotonic() - start < 10
 
 
+def test_a_dead_heads_error_ends_with_its_raylet_and_gcs_logs(tmp_path):
+    """The session Ray names after the pid of `ray start`, as the fake head makes it here: the error says whether
+    the raylet was slow or dead."""
+    make_session = ('logs="$RAY_TMPDIR/ray/session_2026-12-06_10-00-00_000001_$$/logs"; mkdir -p "$logs";'
+                    ' echo "raylet: waiting for the GCS" > "$logs/raylet.out";'
+                    ' echo "gcs: overloaded" > "$logs/gcs_server.out"; echo "ray start: gave up"; exit 1')
+    head = cluster.RayProcess(["sh", "-c", make_session], tmp_path / "head.log", {"RAY_TMPDIR": str(tmp_path)})
+    head.start().proc.wait(10)
+    assert cluster.session_logs(head).parent.name.endswith(f"_{head.proc.pid}")
+    with pytest.raises(cluster.ClusterError) as raised:
+        cluster.check_alive(head)
+    said = str(raised.value)
+    assert "ray start: gave up" in said
+    assert "gcs_server.out:\n  gcs: overloaded" in said and "raylet.out:\n  raylet: waiting for the GCS" in said
+
+
 def test_dummy_job_runs_through_the_jobs_api_and_its_log_is_collected(three_nodes, tmp_path):
     _, dashboard = three_nodes
     script = tmp_path / "trainer.py"

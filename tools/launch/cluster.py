@@ -169,13 +169,39 @@ def connect(address: str, deadline: float, poll_s: float = 1.0, say: Callable[[s
 
 
 def check_alive(head: RayProcess | None, lines: int = 20) -> None:
-    """Raise, with the end of its log, if the head's `ray start` has exited: SlowStart if Ray gave up on it."""
+    """Raise, with the end of its log and of its daemons' logs, if the head's `ray start` has exited: SlowStart if
+    Ray gave up on it."""
     if head is None or head.alive():
         return
-    log = head.log_path.read_text(errors="replace").splitlines()[-lines:] if head.log_path.is_file() else []
+    log = _tail(head.log_path, lines)
     error = SlowStart if any(SLOW_START in line for line in log) else ClusterError
-    raise error(f"the head's `ray start` exited ({head.proc.returncode}); the end of {head.log_path}:\n"
-                + "\n".join(f"  {line}" for line in log))
+    message = f"the head's `ray start` exited ({head.proc.returncode}); the end of {head.log_path}:\n" + _indent(log)
+    logs = session_logs(head)
+    for name in DAEMON_LOGS if logs else ():
+        if (tail := _tail(logs / name, DAEMON_LOG_LINES)):  # whether the raylet was slow or dead, and why
+            message += f"\nthe end of {logs / name}:\n" + _indent(tail)
+    raise error(message)
+
+
+DAEMON_LOGS = ("gcs_server.out", "raylet.out", "raylet.err")  # in a Ray session's logs folder; empty ones are left out
+DAEMON_LOG_LINES = 10
+
+
+def session_logs(process: RayProcess) -> Path | None:
+    """The logs folder of the Ray session a head's `ray start` made. Ray names it session_<time>_<the pid of
+    `ray start`>, under $RAY_TMPDIR, else $TMPDIR, else /tmp, then ray/ (ray._common.utils, Ray 2.x)."""
+    env = {**os.environ, **(process.env or {})}
+    root = Path(env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp") / "ray"
+    found = sorted(root.glob(f"session_*_{process.proc.pid}/logs")) if process.proc else []
+    return found[-1] if found else None
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    return path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else []
+
+
+def _indent(lines: list[str]) -> str:
+    return "\n".join(f"  {line}" for line in lines)
 
 
 def port_open(host: str, port: int, timeout_s: float = 2.0) -> bool:
