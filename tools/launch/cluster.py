@@ -25,8 +25,8 @@ class ClusterError(Exception):
 
 
 class SlowStart(ClusterError):
-    """`ray start` gave up on its own node: its raylet did not register with the GCS within Ray's 30 s (fixed in
-    ray/_private/node.py). A loaded machine causes it, and a second start usually succeeds."""
+    """`ray start` gave up on its own node: its raylet did not register with the GCS within Ray's 30 s (hard-coded in
+    ray/_private/node.py). A loaded machine can cause it, and then a new start can succeed."""
 
 
 SLOW_START = "The current node timed out during startup"  # what `ray start` prints when it gives up
