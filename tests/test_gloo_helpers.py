@@ -18,7 +18,7 @@ def _one_rank_hangs(rank, port, results):
 def test_a_hung_rank_is_named_and_its_stack_printed(capfd):
     started = time.monotonic()
     # the deadline leaves rank 0 time to start: a spawned rank imports torch, 3 s on an idle 2-core machine, and over
-    # 30 s once on CI's, with the Ray tests beside it
+    # 30 s in a fresh-clone CI run, with the Ray tests beside it
     with pytest.raises(TimeoutError, match=r"ranks \[1\] still ran"):
         run_processes(_one_rank_hangs, 2, deadline_s=90)
     assert time.monotonic() - started < 150

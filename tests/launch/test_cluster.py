@@ -137,14 +137,14 @@ def test_dummy_job_runs_through_the_jobs_api_and_its_log_is_collected(three_node
     assert failing == "FAILED"
 
 
-def _prepared(tmp_path: Path, port: int, *overrides: str) -> run.Prepared:
+def _prepared(tmp_path: Path, port: int) -> run.Prepared:
     """cpu-tiny's run on this machine, its head on `port`."""
     dash, agent, metrics = (free_port() for _ in range(3))
     # a second Ray on this machine: its agent and metrics need ports of their own
     extra = f"[--dashboard-agent-listen-port={agent},--metrics-export-port={metrics}]"
     recipe = config.load(CONFIGS / "cpu-tiny.yaml", ["launch.accelerator=a3", f"launch.ray.port={port}",
                                                     f"launch.ray.dashboard_port={dash}", "launch.ray.join_timeout_s=60",
-                                                    f"launch.ray.extra_start_args={extra}", *overrides])
+                                                    f"launch.ray.extra_start_args={extra}"])
     facts = env.NodeFacts("127.0.0.1", "lo", "127.0.0.1", True, None)
     return run.prepare(recipe, facts, "dummy-run", tmp_path / "logs",
                        ray_bin=str(Path(sys.executable).with_name("ray")), device_gb=64.0)
